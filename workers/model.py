@@ -1,0 +1,151 @@
+"""A compact Llama-family decoder (Llama 2/3, Qwen2, Mistral, SmolLM) over a paged KV cache.
+
+Weights come straight from the checkpoint's tensors; q/k/v and gate/up are fused into one matmul
+each, which keeps the per-layer op count (and so Python overhead per step) small. Every op follows
+transformers' Llama code in the same order and dtype so greedy output matches `generate()`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+
+from workers.attention import AttentionMetadata
+from workers.rope import rotate
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.scale = self.head_dim**-0.5
+        bias = getattr(config, "attention_bias", False) or config.model_type == "qwen2"
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.split = (q_size, kv_size, kv_size)
+        self.qkv_proj = nn.Linear(config.hidden_size, sum(self.split), bias=bias)
+        self.o_proj = nn.Linear(
+            q_size, config.hidden_size, bias=getattr(config, "attention_bias", False)
+        )
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        backend,
+    ) -> torch.Tensor:
+        tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = rotate(q.view(tokens, self.num_heads, self.head_dim), cos, sin)
+        k = rotate(k.view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        out = backend(q, k, v, kv[0], kv[1], meta, self.scale)  # [tokens, heads, head_dim]
+        return self.o_proj(out.reshape(tokens, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.intermediate = config.intermediate_size
+        bias = getattr(config, "mlp_bias", False)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate, bias=bias)
+        self.down_proj = nn.Linear(self.intermediate, config.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, h, cos, sin, kv, meta, backend) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv, meta, backend)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class CausalLM(nn.Module):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.requires_grad_(False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        backend,
+    ) -> torch.Tensor:
+        """input_ids: [tokens] -> hidden states [tokens, hidden] (final norm not applied)."""
+        h = self.embed_tokens(input_ids)
+        for layer, kv in zip(self.layers, kv_cache, strict=True):
+            h = layer(h, cos, sin, kv, meta, backend)
+        return h
+
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """h: [rows, hidden] -> fp32 logits [rows, vocab]."""
+        return self.lm_head(self.norm(h)).float()
+
+    def load_checkpoint(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up."""
+        own = dict(self.named_parameters())
+        for i in range(len(self.layers)):
+            pre = f"model.layers.{i}."
+            _fuse(tensors, pre + "self_attn.", ("q_proj", "k_proj", "v_proj"), "qkv_proj")
+            _fuse(tensors, pre + "mlp.", ("gate_proj", "up_proj"), "gate_up_proj")
+        for name, tensor in tensors.items():
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            key = name.removeprefix("model.")
+            if key == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            if key not in own:
+                raise KeyError(f"checkpoint tensor {name} has no place in the model")
+            own.pop(key).copy_(tensor)
+        missing = [
+            k for k in own if not (k == "lm_head.weight" and self.config.tie_word_embeddings)
+        ]
+        if missing:
+            raise KeyError(f"checkpoint lacks {missing[:5]}")
+
+
+def _fuse(
+    tensors: dict[str, torch.Tensor], prefix: str, parts: tuple[str, ...], fused: str
+) -> None:
+    for kind in ("weight", "bias"):
+        names = [f"{prefix}{p}.{kind}" for p in parts]
+        if all(n in tensors for n in names):
+            tensors[f"{prefix}{fused}.{kind}"] = torch.cat([tensors.pop(n) for n in names])
