@@ -102,6 +102,11 @@ def test_top_p_keeps_top_token_when_it_dominates() -> None:
     assert kept(apply_top_p(torch.tensor([2.0, 2.0, 2.0, 9.0]), 0.01)) == {3}
 
 
+def test_top_p_zero_still_keeps_the_top_token() -> None:
+    # p = 0 is rejected by validation, but the function's contract holds at the limit
+    assert kept(apply_top_p(P_LOGITS.clone(), 0.0)) == {1}
+
+
 def test_top_p_one_is_off() -> None:
     assert torch.equal(apply_top_p(P_LOGITS.clone(), 1.0), P_LOGITS)
 
@@ -275,6 +280,27 @@ def test_temperature_sharpens_and_flattens() -> None:
     assert len(set(hot)) == 4
 
 
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"temperature": 1e-37},  # 42 / 1e-37 overflows float32 -> inf -> softmax NaN
+        {"temperature": 1e-40},
+        {"temperature": 1.0, "repetition_penalty": 1e39},  # 1e39 -> float32 inf
+        {"temperature": 0.0, "repetition_penalty": 1e300},  # 0 * inf = NaN wins the argmax
+    ],
+)
+def test_extreme_valid_params_sample_sanely(params: dict[str, Any]) -> None:
+    """Either validation rejects the value, or sampling stays finite and sane."""
+    try:
+        SamplingParams(**params).validate(VOCAB)
+    except InvalidRequestError:
+        return
+    logits = torch.tensor([[0.0, -3.0, 42.0, -1.0]])
+    seq = make_seq(prompt=[0, 1, 3], **params)
+    # token 2 has 42 against <= 0 and is not penalised: it is the only sane outcome
+    assert sample(logits, [seq])[0] == [2]
+
+
 # -- logprobs -----------------------------------------------------------------------------------
 
 
@@ -403,4 +429,5 @@ def test_validate_direct_construction() -> None:
         SamplingParams(top_p=0.0).validate(VOCAB)
     assert info.value.field == "top_p"
     assert SamplingParams(temperature=0).greedy
-    assert not SamplingParams(temperature=1e-6).greedy
+    assert SamplingParams(temperature=1e-6).greedy  # below 1e-5: argmax, no float32 overflow
+    assert not SamplingParams(temperature=1e-4).greedy

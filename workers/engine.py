@@ -61,7 +61,7 @@ class LLMEngine:
         ckpt = with_rope_override(
             checkpoint or load_checkpoint(config.model), config.rope_parameters
         )
-        self.hf_config, self.tokenizer = ckpt.config, ckpt.tokenizer
+        self.hf_config, self.tokenizer, self.model_path = ckpt.config, ckpt.tokenizer, ckpt.path
         self.vocab_size = ckpt.config.vocab_size
         self.max_model_len = _max_model_len(config, ckpt.config)
         self.model = _build_model(ckpt, self.device, self.dtype)
@@ -187,10 +187,10 @@ class LLMEngine:
         if not scheduled.chunks:
             return []
         logits, sampling = self.runner.execute(scheduled.chunks)
-        for chunk in scheduled.chunks:
-            chunk.seq.num_computed_tokens += chunk.num_tokens
         seqs = [c.seq for c in sampling]
         tokens, logprobs = sample(logits, seqs)
+        for chunk in scheduled.chunks:  # only once nothing above can fail
+            chunk.seq.num_computed_tokens += chunk.num_tokens
         return [self._append(s, t, lp) for s, t, lp in zip(seqs, tokens, logprobs, strict=True)]
 
     def _append(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None) -> RequestOutput:

@@ -2,7 +2,7 @@
 
 Sampling is applied in this order (see `workers.sampler`):
 repetition penalty -> presence/frequency penalties -> temperature -> top-k -> top-p -> min-p.
-`temperature == 0` means greedy. `top_k` of 0 or -1 means off; `top_p == 1` and `min_p == 0`
+`temperature == 0` (or below 1e-5) means greedy. `top_k` of 0 or -1 means off; `top_p == 1` and `min_p == 0`
 mean off. Logprobs are those of the raw model distribution (before any processing), like vLLM.
 """
 
@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from workers.errors import InvalidRequestError
+
+GREEDY_BELOW = 1e-5
 
 
 @dataclass(frozen=True)
@@ -34,7 +36,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # below this, dividing logits by the temperature overflows float32: it is argmax anyway
+        return self.temperature < GREEDY_BELOW
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> SamplingParams:
@@ -55,7 +58,9 @@ class SamplingParams:
         _check_float("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
         _check_int("top_k", self.top_k, low=-1)
         _check_float("min_p", self.min_p, low=0.0, high=1.0)
-        _check_float("repetition_penalty", self.repetition_penalty, low=0.0, low_open=True)
+        _check_float(
+            "repetition_penalty", self.repetition_penalty, low=0.0, high=100.0, low_open=True
+        )
         _check_float("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
         _check_float("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
         if self.seed is not None:

@@ -1,0 +1,118 @@
+"""`kvserve bench throughput`: kvserve's engine against Hugging Face, same model, same prompts.
+
+Three contenders, in one process: kvserve's engine (continuous batching), HF `generate()` one
+request at a time, and HF `generate_batch()` (transformers' own continuous batching). Every
+request is greedy and emits exactly `output_len` tokens. It also times batch-1 decoding against
+the memory-bandwidth bound: weight bytes read per step / measured bandwidth.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+import torch
+
+from workers.bench.baselines import (
+    hf_generate_batch,
+    hf_generate_sequential,
+    load_hf_model,
+    measure_memory_bandwidth,
+    weight_bytes_per_decode_step,
+)
+from workers.config import EngineConfig
+from workers.engine import LLMEngine
+
+
+def make_prompts(vocab_size: int, requests: int, prompt_len: int, seed: int = 0) -> list[list[int]]:
+    """Deterministic random token ids, distinct per request (no shared prefix to exploit)."""
+    gen = torch.Generator().manual_seed(seed)
+    low = 100  # keep clear of special tokens at the start of the vocabulary
+    return torch.randint(low, vocab_size, (requests, prompt_len), generator=gen).tolist()
+
+
+def kvserve_throughput(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> float:
+    """Output tokens/s for all prompts submitted at once."""
+    params = {"temperature": 0.0, "max_tokens": output_len, "ignore_eos": True}
+    start = time.perf_counter()
+    results = engine.generate_all([{"prompt_token_ids": p, "params": params} for p in prompts])
+    seconds = time.perf_counter() - start
+    tokens = sum(len(o.token_ids) for outs in results.values() for o in outs)
+    assert tokens == len(prompts) * output_len, "every request must emit output_len tokens"
+    return tokens / seconds
+
+
+def batch1_decode_ms(engine: LLMEngine, prompt: list[int], output_len: int) -> float:
+    """Milliseconds per decode step of a lone request, prefill excluded."""
+    engine.add_request(prompt_token_ids=prompt,
+                       params={"temperature": 0.0, "max_tokens": output_len, "ignore_eos": True})
+    engine.step()  # prefill and first token
+    start, steps = time.perf_counter(), 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+    return (time.perf_counter() - start) * 1000 / steps
+
+
+def run_throughput_bench(
+    config: EngineConfig, requests: int = 32, prompt_len: int = 128, output_len: int = 128,
+    hf_sequential_requests: int = 4, skip_hf: bool = False, progress: bool = True,
+) -> dict[str, Any]:
+    say = (lambda msg: print(f"[bench] {msg}", file=sys.stderr, flush=True)) if progress else (
+        lambda msg: None)
+    engine = LLMEngine(config)
+    prompts = make_prompts(engine.vocab_size, requests, prompt_len)
+    say("warming up kvserve")
+    kvserve_throughput(engine, prompts[:2], 4)
+    say(f"kvserve: {requests} requests x {prompt_len} prompt + {output_len} output tokens")
+    report: dict[str, Any] = {"kvserve_tok_s": kvserve_throughput(engine, prompts, output_len)}
+    say("kvserve: batch-1 decode")
+    report["decode_ms_per_token"] = batch1_decode_ms(engine, prompts[0], output_len)
+    say("measuring memory bandwidth")
+    bandwidth = measure_memory_bandwidth()
+    weight_bytes = weight_bytes_per_decode_step(engine.model)
+    report["bandwidth_gb_s"] = bandwidth / 1e9
+    report["weight_bytes_per_step"] = weight_bytes
+    report["bandwidth_limit_ms_per_token"] = weight_bytes / bandwidth * 1000
+    report["decode_vs_bandwidth_limit"] = (
+        report["decode_ms_per_token"] / report["bandwidth_limit_ms_per_token"])
+    if not skip_hf:
+        report |= _hf_baselines(engine, prompts, output_len, hf_sequential_requests, say)
+        report["speedup_vs_hf_generate"] = report["kvserve_tok_s"] / report["hf_generate_tok_s"]
+        report["speedup_vs_hf_generate_batch"] = (
+            report["kvserve_tok_s"] / report["hf_generate_batch_tok_s"])
+    report["config"] = {"requests": requests, "prompt_len": prompt_len, "output_len": output_len,
+                        "hf_sequential_requests": hf_sequential_requests, **vars(engine.info),
+                        "torch_threads": torch.get_num_threads()}
+    report["summary"] = summarize(report)
+    return report
+
+
+def _hf_baselines(engine: LLMEngine, prompts: list[list[int]], output_len: int,
+                  sequential_requests: int, say) -> dict[str, float]:
+    model = load_hf_model(engine.model_path)
+    say(f"HF generate(): {sequential_requests} requests one at a time")
+    seq = hf_generate_sequential(model, prompts[:sequential_requests], output_len)
+    say(f"HF generate_batch(): {len(prompts)} requests")
+    batch = hf_generate_batch(model, prompts, output_len)
+    return {"hf_generate_tok_s": seq.tok_s, "hf_generate_batch_tok_s": batch.tok_s}
+
+
+def summarize(r: dict[str, Any]) -> str:
+    c = r["config"]
+    lines = [
+        f"model {c['name']} ({c['dtype']}, {c['device']}, {c['torch_threads']} threads), "
+        f"{c['requests']} requests x {c['prompt_len']} prompt + {c['output_len']} output tokens",
+        f"  kvserve engine          {r['kvserve_tok_s']:8.1f} output tok/s",
+    ]
+    if "hf_generate_tok_s" in r:
+        for key, label in (("hf_generate_tok_s", "HF generate() one-by-one"),
+                           ("hf_generate_batch_tok_s", "HF generate_batch()")):
+            ratio = r["kvserve_tok_s"] / r[key]
+            lines.append(f"  {label:<24}{r[key]:8.1f} output tok/s   kvserve = {ratio:.2f}x")
+    lines.append(
+        f"  batch-1 decode {r['decode_ms_per_token']:.1f} ms/token; bandwidth limit "
+        f"{r['bandwidth_limit_ms_per_token']:.1f} ms ({r['weight_bytes_per_step'] / 1e6:.0f} MB "
+        f"at {r['bandwidth_gb_s']:.1f} GB/s): {r['decode_vs_bandwidth_limit']:.2f}x the limit")
+    return "\n".join(lines)
