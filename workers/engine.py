@@ -286,6 +286,8 @@ def _build_model(ckpt, device: torch.device, dtype: torch.dtype) -> CausalLM:
     if ckpt.config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.load_checkpoint(dict(ckpt.tensors))
+    if device.type == "cpu":
+        model.keep_transposed_weights()
     return model.eval()
 
 

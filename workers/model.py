@@ -16,6 +16,26 @@ from workers.attention import AttentionMetadata
 from workers.rope import rotate
 
 
+# Up to this many rows, a CPU matmul over a pre-transposed [in, out] weight streams the weights
+# about twice as fast as F.linear's [out, in] GEMV (measured with MKL on this 2-core machine).
+SMALL_BATCH_ROWS = 3
+
+
+class Linear(nn.Linear):
+    """nn.Linear with an optional [in, out] copy of the weight for memory-bound small batches."""
+
+    weight_t: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight_t is not None and x.shape[0] <= SMALL_BATCH_ROWS:
+            out = torch.mm(x, self.weight_t)
+            return out if self.bias is None else out + self.bias
+        return F.linear(x, self.weight, self.bias)
+
+    def keep_transposed_copy(self) -> None:
+        self.weight_t = self.weight.detach().t().contiguous()
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -39,8 +59,8 @@ class Attention(nn.Module):
         bias = getattr(config, "attention_bias", False) or config.model_type == "qwen2"
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.split = (q_size, kv_size, kv_size)
-        self.qkv_proj = nn.Linear(config.hidden_size, sum(self.split), bias=bias)
-        self.o_proj = nn.Linear(
+        self.qkv_proj = Linear(config.hidden_size, sum(self.split), bias=bias)
+        self.o_proj = Linear(
             q_size, config.hidden_size, bias=getattr(config, "attention_bias", False)
         )
 
@@ -67,8 +87,8 @@ class MLP(nn.Module):
         super().__init__()
         self.intermediate = config.intermediate_size
         bias = getattr(config, "mlp_bias", False)
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate, bias=bias)
-        self.down_proj = nn.Linear(self.intermediate, config.hidden_size, bias=bias)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate, bias=bias)
+        self.down_proj = Linear(self.intermediate, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
@@ -95,7 +115,7 @@ class CausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.requires_grad_(False)
@@ -118,6 +138,12 @@ class CausalLM(nn.Module):
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
         """h: [rows, hidden] -> fp32 logits [rows, vocab]."""
         return self.lm_head(self.norm(h)).float()
+
+    def keep_transposed_weights(self) -> None:
+        """CPU: trade one more copy of the weights for ~2x faster batch-1 decoding."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.keep_transposed_copy()
 
     def load_checkpoint(self, tensors: dict[str, torch.Tensor]) -> None:
         """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up."""

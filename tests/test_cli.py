@@ -1,0 +1,54 @@
+"""The `kvserve` command line, run as users run it: a subprocess."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+KVSERVE = [sys.executable, "-m", "kvserve"]
+
+
+def run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([*KVSERVE, *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("args", [[], ["generate"], ["bench", "throughput"]])
+def test_help_explains_every_command(args):
+    out = run(*args, "--help")
+    assert out.returncode == 0
+    assert "usage: kvserve" in out.stdout
+    if args == ["generate"]:
+        for flag in ("--max-tokens", "--temperature", "--top-p", "--top-k", "--seed", "--chat",
+                     "--json", "--model", "--kv-cache-memory"):
+            assert flag in out.stdout
+
+
+def test_generate_json_matches_the_engine(real_engine):
+    out = run("generate", "What is the capital of France?", "--chat", "--max-tokens", "16",
+              "--json", "--kv-cache-memory", "256MiB")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert set(result) >= {"text", "token_ids", "finish_reason", "usage"}
+    expected = real_engine.generate_all([{
+        "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "params": {"max_tokens": 16, "temperature": 0}}])
+    ids = [t for o in next(iter(expected.values())) for t in o.token_ids]
+    assert result["token_ids"] == ids
+    assert "Paris" in result["text"]
+    assert result["usage"]["completion_tokens"] == len(ids)
+
+
+def test_generate_streams_text_to_the_terminal():
+    out = run("generate", "Once upon a time", "--max-tokens", "12", "--kv-cache-memory", "64MiB")
+    assert out.returncode == 0, out.stderr
+    assert len(out.stdout.strip()) > 10
+
+
+def test_bad_input_is_a_clear_error_not_a_traceback():
+    out = run("generate", "hi", "--top-p", "1.5", "--kv-cache-memory", "64MiB")
+    assert out.returncode == 2
+    assert "top_p" in out.stderr
+    assert "Traceback" not in out.stderr
