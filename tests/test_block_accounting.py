@@ -39,6 +39,8 @@ from workers.scheduler import Scheduler
 from workers.sequence import Sequence, SequenceStatus
 from workers.tiny import tiny_checkpoint, tiny_config
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 BLOCK_SIZE = 4
 NUM_BLOCKS = 16  # a 30-token prompt + 20 new tokens needs 13: fits alone, not with company
 MAX_PROMPT = 30
@@ -363,13 +365,6 @@ class EngineMachine(RuleBasedStateMachine):
         assert_engine_idle(self.engine)
 
 
-@pytest.fixture(autouse=True)
-def single_torch_thread() -> Any:
-    """Two shared cores: torch's intra-op threads thrash under load (30x slower); use one."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ hide a dropped bias or a misloaded norm), so outputs depend on every tensor and 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +20,8 @@ from workers.engine import LLMEngine
 from workers.loader import LoadedCheckpoint
 from workers.sampler import TokenLogprobs
 from workers.tiny import tiny_checkpoint
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama-tied": ("llama", {}),
@@ -47,13 +48,6 @@ class Case:
     refs: list[Reference]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    """Two shared cores: one torch thread is several times faster than two here."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _checkpoint(model_type: str, overrides: dict[str, Any]) -> LoadedCheckpoint:

@@ -9,7 +9,6 @@ entry is a single product, so gathering rows of a precomputed table cannot chang
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +20,8 @@ from workers.config import EngineConfig
 from workers.engine import LLMEngine
 from workers.loader import LoadedCheckpoint
 from workers.tiny import tiny_checkpoint, tiny_config
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 TRAINED_LEN = 512  # tiny_config's max_position_embeddings
 MAX_MODEL_LEN = 1024
@@ -45,13 +46,6 @@ class Setup:
     hf: torch.nn.Module
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    """Two shared cores: one torch thread is several times faster than two here."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _engine(ckpt: LoadedCheckpoint, rope: dict[str, Any] | None) -> LLMEngine:

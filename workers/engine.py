@@ -94,23 +94,11 @@ class LLMEngine:
         self.requests: dict[str, _Request] = {}
 
     # -- requests -------------------------------------------------------------------------
-    def add_request(
-        self,
-        *,
-        prompt: str | None = None,
-        prompt_token_ids: list[int] | None = None,
-        messages: list[dict[str, str]] | None = None,
-        params: SamplingParams | dict[str, Any] | None = None,
-        request_id: str | None = None,
-    ) -> str:
-        """Validate and queue a request; raises InvalidRequestError, leaving all else untouched."""
-        seq = self.make_sequence(
-            prompt=prompt,
-            prompt_token_ids=prompt_token_ids,
-            messages=messages,
-            params=params,
-            request_id=request_id,
-        )
+    def add_request(self, **request: Any) -> str:
+        """Validate and queue a request (the arguments of `make_sequence`); returns its id.
+
+        Raises InvalidRequestError, leaving all else untouched."""
+        seq = self.make_sequence(**request)
         self.enqueue(seq)
         return seq.request_id
 

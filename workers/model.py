@@ -15,7 +15,6 @@ from transformers import PretrainedConfig
 from workers.attention import AttentionMetadata
 from workers.rope import rotate
 
-
 # Up to this many rows, a CPU matmul over a pre-transposed [in, out] weight streams the weights
 # about twice as fast as F.linear's [out, in] GEMV (measured with MKL on this 2-core machine).
 SMALL_BATCH_ROWS = 3

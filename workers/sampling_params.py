@@ -2,8 +2,9 @@
 
 Sampling is applied in this order (see `workers.sampler`):
 repetition penalty -> presence/frequency penalties -> temperature -> top-k -> top-p -> min-p.
-`temperature == 0` (or below 1e-5) means greedy. `top_k` of 0 or -1 means off; `top_p == 1` and `min_p == 0`
-mean off. Logprobs are those of the raw model distribution (before any processing), like vLLM.
+`temperature == 0` (or below 1e-5) means greedy. `top_k` of 0 or -1 means off; `top_p == 1`
+and `min_p == 0` mean off. Logprobs are those of the raw model distribution (before any
+processing), like vLLM.
 """
 
 from __future__ import annotations

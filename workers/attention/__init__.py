@@ -9,7 +9,7 @@ import importlib.util
 import torch
 
 from workers.attention.metadata import AttentionMetadata, PrefillSegment
-from workers.attention.torch_backend import TorchAttention
+from workers.attention.torch_backend import PagedAttention, TorchAttention
 
 BACKENDS = ("auto", "torch", "flash_attn")
 
@@ -26,7 +26,7 @@ def resolve_backend_name(name: str, device: torch.device) -> str:
     return name
 
 
-def make_backend(name: str):  # -> TorchAttention | FlashAttention
+def make_backend(name: str) -> PagedAttention:
     if name == "flash_attn":
         from workers.attention.flash_backend import FlashAttention
 
@@ -35,5 +35,6 @@ def make_backend(name: str):  # -> TorchAttention | FlashAttention
 
 
 __all__ = [
-    "AttentionMetadata", "PrefillSegment", "TorchAttention", "make_backend", "resolve_backend_name",
+    "AttentionMetadata", "PagedAttention", "PrefillSegment", "TorchAttention", "make_backend",
+    "resolve_backend_name",
 ]

@@ -10,12 +10,12 @@ from __future__ import annotations
 import torch
 
 from workers.attention.metadata import AttentionMetadata
-from workers.attention.torch_backend import write_kv
+from workers.attention.torch_backend import PagedAttention
 
 FLASH_BLOCK_MULTIPLE = 256
 
 
-class FlashAttention:
+class FlashAttention(PagedAttention):
     name = "flash_attn"
 
     def __init__(self) -> None:
@@ -24,26 +24,21 @@ class FlashAttention:
         self._varlen = flash_attn_varlen_func
         self._with_kvcache = flash_attn_with_kvcache
 
-    def __call__(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-        k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return self._with_kvcache(
+            q.unsqueeze(1), k_cache, v_cache,
+            cache_seqlens=meta.decode_context_lens, block_table=meta.decode_block_tables,
+            softmax_scale=scale, causal=True,
+        ).squeeze(1)
+
+    def prefill(
+        self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
-        # q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim]
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = torch.empty_like(q)
-        nd = meta.num_decodes
-        if nd:
-            out[:nd] = self._with_kvcache(
-                q[:nd].unsqueeze(1), k_cache, v_cache,
-                cache_seqlens=meta.decode_context_lens, block_table=meta.decode_block_tables,
-                softmax_scale=scale, causal=True,
-            ).squeeze(1)
-        if meta.prefills:
-            out[nd:] = self._varlen(
-                q[nd:], k_cache, v_cache,
-                cu_seqlens_q=meta.cu_seqlens_q, cu_seqlens_k=meta.cu_seqlens_k,
-                max_seqlen_q=max(s.q_len for s in meta.prefills),
-                max_seqlen_k=max(s.context_len for s in meta.prefills),
-                softmax_scale=scale, causal=True, block_table=meta.prefill_block_tables,
-            )
-        return out
+        # k, v are already in the cache: every chunk reads its whole context through block_table
+        return self._varlen(
+            q, k_cache, v_cache,
+            cu_seqlens_q=meta.cu_seqlens_q, cu_seqlens_k=meta.cu_seqlens_k,
+            max_seqlen_q=max(s.q_len for s in meta.prefills),
+            max_seqlen_k=max(s.context_len for s in meta.prefills),
+            softmax_scale=scale, causal=True, block_table=meta.prefill_block_tables,
+        )

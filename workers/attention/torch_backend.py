@@ -25,8 +25,10 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> t
     return gathered.transpose(1, 2)
 
 
-class TorchAttention:
-    name = "torch"
+class PagedAttention:
+    """Writes the step's K/V into the cache, then attends: decodes first, prefill chunks after."""
+
+    name = "base"
 
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -37,16 +39,24 @@ class TorchAttention:
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
-            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale)
-        for seg in meta.prefills:
-            rows = slice(seg.q_start, seg.q_start + seg.q_len)
-            out[rows] = self._prefill(q[rows], k[rows], v[rows], k_cache, v_cache, seg, scale)
+            out[:nd] = self.decode(q[:nd], k_cache, v_cache, meta, scale)
+        if meta.prefills:
+            out[nd:] = self.prefill(q[nd:], k[nd:], v[nd:], k_cache, v_cache, meta, scale)
         return out
 
-    def _decode(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-        meta: AttentionMetadata, scale: float,
+    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        raise NotImplementedError
+
+    def prefill(
+        self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class TorchAttention(PagedAttention):
+    name = "torch"
+
+    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         length = meta.max_decode_context
         keys = gather_kv(k_cache, meta.decode_block_tables, length)
         values = gather_kv(v_cache, meta.decode_block_tables, length)
@@ -55,7 +65,17 @@ class TorchAttention:
         )  # [decodes, heads, 1, head_dim]
         return out.squeeze(2)
 
-    def _prefill(
+    def prefill(
+        self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        out = torch.empty_like(q)
+        first = meta.num_decodes  # rows of q/k/v here start after the decodes
+        for seg in meta.prefills:
+            rows = slice(seg.q_start - first, seg.q_start - first + seg.q_len)
+            out[rows] = self._chunk(q[rows], k[rows], v[rows], k_cache, v_cache, seg, scale)
+        return out
+
+    def _chunk(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         k_cache: torch.Tensor, v_cache: torch.Tensor, seg: PrefillSegment, scale: float,
     ) -> torch.Tensor:

@@ -72,12 +72,22 @@ def hf_generate_sequential(
 ) -> ThroughputResult:
     """`model.generate` one request at a time, greedy, exactly `output_len` new tokens each.
 
-    `min_new_tokens == max_new_tokens` masks EOS, so no request stops early. The wall time covers
-    the whole loop; new tokens are counted from the returned sequences.
+    `min_new_tokens == max_new_tokens` masks EOS, so no request stops early. One untimed 1-token
+    call warms torch up (as `hf_generate_batch` does); the wall time covers the whole loop and new
+    tokens are counted from the returned sequences.
     """
     pad = model.config.pad_token_id
     pad = pad if pad is not None else 0
     config = _greedy_config(output_len, min_new_tokens=output_len, pad_token_id=pad)
+    if prompts:
+        warm = torch.tensor([prompts[0]], dtype=torch.long)
+        model.generate(
+            input_ids=warm,
+            attention_mask=torch.ones_like(warm),
+            max_new_tokens=1,
+            do_sample=False,
+            pad_token_id=pad,
+        )
     total = 0
     start = time.perf_counter()
     for prompt in prompts:
