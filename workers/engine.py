@@ -19,7 +19,7 @@ from workers.errors import InvalidRequestError
 from workers.inputs import to_token_ids
 from workers.kv_cache import KVCacheSpec
 from workers.loader import LoadedCheckpoint, load_checkpoint, with_rope_override
-from workers.model import CausalLM
+from workers.model import CausalLM, onednn_available
 from workers.model_runner import ModelRunner
 from workers.outputs import RequestOutput, Usage
 from workers.rope import RotaryEmbedding
@@ -274,8 +274,8 @@ def _build_model(ckpt, device: torch.device, dtype: torch.dtype) -> CausalLM:
     if ckpt.config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.load_checkpoint(dict(ckpt.tensors))
-    if device.type == "cpu":
-        model.keep_transposed_weights()
+    if device.type == "cpu" and onednn_available():
+        model.use_onednn_matmuls()
     return model.eval()
 
 

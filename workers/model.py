@@ -15,24 +15,24 @@ from transformers import PretrainedConfig
 from workers.attention import AttentionMetadata
 from workers.rope import rotate
 
-# Up to this many rows, a CPU matmul over a pre-transposed [in, out] weight streams the weights
-# about twice as fast as F.linear's [out, in] GEMV (measured with MKL on this 2-core machine).
-SMALL_BATCH_ROWS = 3
+
+def onednn_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
 class Linear(nn.Linear):
-    """nn.Linear with an optional [in, out] copy of the weight for memory-bound small batches."""
+    """nn.Linear that can run on oneDNN on CPU.
 
-    weight_t: torch.Tensor | None = None
+    oneDNN's fp32 matmul beats F.linear's MKL path at every batch size we step with on this CPU
+    (measured: ~1.8x at 1 row, which is memory-bound, ~1.3x at 32 rows, ~1.15x at 512).
+    """
+
+    use_onednn: bool = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight_t is not None and x.shape[0] <= SMALL_BATCH_ROWS:
-            out = torch.mm(x, self.weight_t)
-            return out if self.bias is None else out + self.bias
+        if self.use_onednn:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
-
-    def keep_transposed_copy(self) -> None:
-        self.weight_t = self.weight.detach().t().contiguous()
 
 
 class RMSNorm(nn.Module):
@@ -138,11 +138,11 @@ class CausalLM(nn.Module):
         """h: [rows, hidden] -> fp32 logits [rows, vocab]."""
         return self.lm_head(self.norm(h)).float()
 
-    def keep_transposed_weights(self) -> None:
-        """CPU: trade one more copy of the weights for ~2x faster batch-1 decoding."""
+    def use_onednn_matmuls(self) -> None:
+        """CPU only: route every projection through oneDNN (see `Linear`)."""
         for module in self.modules():
             if isinstance(module, Linear):
-                module.keep_transposed_copy()
+                module.use_onednn = True
 
     def load_checkpoint(self, tensors: dict[str, torch.Tensor]) -> None:
         """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up."""
