@@ -52,3 +52,16 @@ def test_bad_input_is_a_clear_error_not_a_traceback():
     assert out.returncode == 2
     assert "top_p" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_bench_throughput_json_reports_every_contender():
+    out = run("bench", "throughput", "--requests", "2", "--prompt-len", "16", "--output-len", "4",
+              "--hf-sequential-requests", "1", "--kv-cache-memory", "64MiB", "--json")
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    for key in ("kvserve_tok_s", "hf_generate_tok_s", "hf_generate_batch_tok_s",
+                "decode_ms_per_token", "bandwidth_limit_ms_per_token"):
+        assert report[key] > 0, key
+    assert report["speedup_vs_hf_generate"] == pytest.approx(
+        report["kvserve_tok_s"] / report["hf_generate_tok_s"])
+    assert report["config"]["requests"] == 2
