@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(EXTRAS)
 PROMPT ?= Explain in two sentences what a KV cache is.
 
-.PHONY: install run test lint bench clean
+.PHONY: install run test lint bench proto clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,9 @@ lint: $(STAMP)
 
 test: lint  ## the whole suite: lint, import contracts, tests
 	$(BIN)/python -m pytest
+
+proto: $(STAMP)  ## regenerate kvserve/v1/ stubs from proto/
+	$(BIN)/python -m kvserve.protogen
 
 bench: $(STAMP)
 	$(BIN)/kvserve bench throughput

@@ -1,0 +1,1 @@
+"""The distributed service: composes the engine (workers), gRPC and, later, Ray Serve."""

@@ -1,0 +1,67 @@
+"""The Generation service over one engine, shaped the way Ray Serve's gRPC proxy calls it:
+one method per RPC taking the request message; `Generate` is an async generator.
+
+`add_to_server` also mounts it on a plain `grpc.aio` server (a single-process server, and the
+real-gRPC tests), mapping errors to status codes with a message that names the field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+
+from cluster.convert import engine_request, prompt_input, response, status_code, struct
+from kvserve.v1 import generation_pb2 as pb
+from kvserve.v1 import generation_pb2_grpc as pb_grpc
+from workers.async_engine import AsyncLLMEngine
+from workers.inputs import to_token_ids
+
+
+class GenerationService:
+    def __init__(self, engine: AsyncLLMEngine, replicas: int = 1) -> None:
+        self.engine = engine
+        self.replicas = replicas
+
+    async def Generate(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:  # noqa: N802
+        async for out in self.engine.generate(**engine_request(request)):
+            yield response(out)
+
+    async def ModelInfo(self, request: pb.ModelInfoRequest) -> pb.ModelInfoResponse:  # noqa: N802
+        info = self.engine.engine.info
+        return pb.ModelInfoResponse(
+            model=info.name, max_model_len=info.max_model_len, vocab_size=info.vocab_size,
+            rope_parameters=struct(info.rope_parameters), replicas=self.replicas,
+        )
+
+    async def Tokenize(self, request: pb.TokenizeRequest) -> pb.TokenizeResponse:  # noqa: N802
+        core = self.engine.engine
+        ids = to_token_ids(core.tokenizer, core.vocab_size, **prompt_input(request))
+        return pb.TokenizeResponse(token_ids=ids, count=len(ids))
+
+
+class _Servicer(pb_grpc.GenerationServicer):
+    """Adapts GenerationService to grpc.aio: exceptions become status codes."""
+
+    def __init__(self, service: GenerationService) -> None:
+        self.service = service
+
+    async def Generate(self, request, context: grpc.aio.ServicerContext):  # noqa: N802
+        try:
+            async for msg in self.service.Generate(request):
+                yield msg
+        except Exception as exc:  # noqa: BLE001 - every error leaves as a status, never a hang
+            await context.abort(status_code(exc), str(exc))
+
+    async def ModelInfo(self, request, context: grpc.aio.ServicerContext):  # noqa: N802
+        return await self.service.ModelInfo(request)
+
+    async def Tokenize(self, request, context: grpc.aio.ServicerContext):  # noqa: N802
+        try:
+            return await self.service.Tokenize(request)
+        except Exception as exc:  # noqa: BLE001
+            await context.abort(status_code(exc), str(exc))
+
+
+def add_to_server(service: GenerationService, server: grpc.aio.Server) -> None:
+    pb_grpc.add_GenerationServicer_to_server(_Servicer(service), server)

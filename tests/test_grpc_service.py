@@ -1,0 +1,132 @@
+"""The gRPC contract over real gRPC (a grpc.aio server on loopback) and the real model."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import grpc
+import pytest
+
+from cluster.service import GenerationService, add_to_server
+from kvserve.protogen import ROOT, generate
+from kvserve.v1 import generation_pb2 as pb
+from kvserve.v1 import generation_pb2_grpc as pb_grpc
+from tests.helpers import assert_engine_idle, output_ids
+from workers.async_engine import AsyncLLMEngine
+
+
+def test_committed_stubs_equal_a_fresh_generation(tmp_path: Path):
+    for fresh in generate(tmp_path):
+        committed = ROOT / fresh.relative_to(tmp_path)
+        assert committed.read_bytes() == fresh.read_bytes(), f"run `make proto`: {committed}"
+
+
+def serve(engine, scenario):
+    """Run `scenario(stub, core)` against a loopback server over `engine`."""
+
+    async def main():
+        core = AsyncLLMEngine(engine)
+        server = grpc.aio.server()
+        add_to_server(GenerationService(core), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                await scenario(pb_grpc.GenerationStub(channel), core)
+        finally:
+            await server.stop(grace=None)
+            await core.shutdown()
+
+    asyncio.run(main())
+
+
+def test_generate_streams_the_engines_tokens(real_engine):
+    prompt = "The history of the Roman Empire"
+    expected = output_ids(
+        next(
+            iter(
+                real_engine.generate_all(
+                    [{"prompt": prompt, "params": {"temperature": 0, "max_tokens": 20}}]
+                ).values()
+            )
+        )
+    )
+
+    async def scenario(stub, core):
+        request = pb.GenerateRequest(
+            prompt=prompt, params=pb.SamplingParams(temperature=0, max_tokens=20, logprobs=2)
+        )
+        responses = [r async for r in stub.Generate(request)]
+        assert [t for r in responses for t in r.token_ids] == expected
+        assert len(responses) == 20  # streamed token by token
+        last = responses[-1]
+        assert last.finish_reason == pb.FINISH_REASON_LENGTH
+        assert last.usage.completion_tokens == 20 and last.usage.time_to_first_token_ms > 0
+        assert all(len(r.logprobs) == 1 and len(r.logprobs[0].top) == 2 for r in responses)
+
+    serve(real_engine, scenario)
+    assert_engine_idle(real_engine)
+
+
+@pytest.mark.parametrize(
+    ("request_kwargs", "field"),
+    [
+        ({"prompt": ""}, "prompt"),
+        ({}, "prompt"),
+        ({"prompt": "hi", "params": pb.SamplingParams(top_p=1.5)}, "top_p"),
+        ({"prompt": "hi", "params": pb.SamplingParams(seed=-1)}, "seed"),
+        ({"prompt_token_ids": pb.TokenIds(ids=[5, 49152])}, "prompt_token_ids"),
+        ({"messages": pb.ChatMessages()}, "messages"),
+    ],
+)
+def test_bad_input_is_invalid_argument_naming_the_field(real_engine, request_kwargs, field):
+    async def scenario(stub, core):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for _ in stub.Generate(pb.GenerateRequest(**request_kwargs)):
+                pass
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert field in err.value.details()
+
+    serve(real_engine, scenario)
+    assert_engine_idle(real_engine)
+
+
+def test_cancelling_the_stream_frees_the_requests_blocks(real_engine):
+    async def scenario(stub, core):
+        call = stub.Generate(
+            pb.GenerateRequest(
+                prompt="Count to one thousand:",
+                params=pb.SamplingParams(max_tokens=500, ignore_eos=True),
+            )
+        )
+        async for _ in call:
+            break  # one token arrived: the request is running
+        assert real_engine.requests
+        call.cancel()
+        for _ in range(100):
+            if not real_engine.requests:
+                break
+            await asyncio.sleep(0.01)
+        assert_engine_idle(real_engine)
+
+    serve(real_engine, scenario)
+
+
+def test_model_info_and_tokenize(real_engine):
+    async def scenario(stub, core):
+        info = await stub.ModelInfo(pb.ModelInfoRequest())
+        assert (info.model, info.vocab_size, info.max_model_len) == (
+            "SmolLM2-135M-Instruct",
+            49152,
+            8192,
+        )
+        assert info.rope_parameters["rope_theta"] == 100000.0
+        tokens = await stub.Tokenize(pb.TokenizeRequest(prompt="Hello, world"))
+        assert list(tokens.token_ids) == real_engine.tokenizer("Hello, world")["input_ids"]
+        assert tokens.count == len(tokens.token_ids)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.Tokenize(pb.TokenizeRequest(prompt=""))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+    serve(real_engine, scenario)
