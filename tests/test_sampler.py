@@ -431,3 +431,11 @@ def test_validate_direct_construction() -> None:
     assert SamplingParams(temperature=0).greedy
     assert SamplingParams(temperature=1e-6).greedy  # below 1e-5: argmax, no float32 overflow
     assert not SamplingParams(temperature=1e-4).greedy
+
+
+def test_invalid_request_error_survives_pickling_with_its_field() -> None:
+    import pickle
+
+    err = pickle.loads(pickle.dumps(InvalidRequestError("top_p", "must be in (0, 1]")))
+    assert isinstance(err, InvalidRequestError)
+    assert (err.field, str(err)) == ("top_p", "top_p: must be in (0, 1]")

@@ -12,3 +12,6 @@ class InvalidRequestError(ValueError):
         super().__init__(f"{field}: {message}")
         self.field = field
         self.message = message
+
+    def __reduce__(self):  # picklable across processes (Ray replicas raise it to the proxy)
+        return type(self), (self.field, self.message)

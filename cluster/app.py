@@ -1,0 +1,45 @@
+"""`build_app`: a validated config in, the Ray Serve application out.
+
+Works with `serve run cluster.app:build_app model=...` and with a Serve config YAML whose
+`import_path` is `cluster.app:build_app` and whose `args` are an AppConfig.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+from ray.serve import Application
+
+from cluster.deployment import GenerationDeployment
+
+GRPC_SERVICER_FUNCTIONS = ["kvserve.v1.generation_pb2_grpc.add_GenerationServicer_to_server"]
+
+
+class AppConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None  # None: SmolLM2-135M-Instruct
+    replicas: int = Field(1, ge=1)
+    max_ongoing_requests: int = Field(256, ge=1)  # enough to fill continuous batches
+    num_cpus_per_replica: float = Field(1.0, gt=0)
+    num_gpus_per_replica: float = Field(0.0, ge=0)  # 1 on GPU nodes
+    kv_cache_memory: str | int | None = "1GiB"
+    max_num_seqs: int = Field(64, ge=1)
+    max_num_batched_tokens: int = Field(512, ge=1)
+
+    def engine_config(self) -> dict[str, Any]:
+        return {"model": self.model, "kv_cache_memory": self.kv_cache_memory,
+                "max_num_seqs": self.max_num_seqs,
+                "max_num_batched_tokens": self.max_num_batched_tokens}
+
+
+def build_app(args: dict[str, Any] | AppConfig) -> Application:
+    config = args if isinstance(args, AppConfig) else AppConfig.model_validate(args)
+    deployment = GenerationDeployment.options(
+        num_replicas=config.replicas,
+        max_ongoing_requests=config.max_ongoing_requests,
+        ray_actor_options={"num_cpus": config.num_cpus_per_replica,
+                           "num_gpus": config.num_gpus_per_replica},
+    )
+    return deployment.bind(config.engine_config(), config.replicas)

@@ -1,0 +1,62 @@
+"""The Ray Serve deployment: each replica owns one engine and serves the Generation RPCs.
+
+Ray Serve's gRPC proxy calls the methods named after the RPCs with the request message and a
+`grpc_context`; `Generate` is an async generator, so tokens stream as they are produced. A
+client that disconnects cancels the replica's task, which aborts the engine request and frees
+its KV blocks (AsyncLLMEngine.generate's cleanup).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ray import serve
+from ray.serve.grpc_util import RayServegRPCContext
+
+from cluster.convert import status_code
+from cluster.service import GenerationService
+from kvserve.v1 import generation_pb2 as pb
+from workers.async_engine import AsyncLLMEngine
+from workers.config import EngineConfig
+from workers.engine import LLMEngine
+
+
+@serve.deployment(name="Generation")
+class GenerationDeployment:
+    def __init__(self, engine_config: dict[str, Any], replicas: int) -> None:
+        engine = LLMEngine(EngineConfig(**engine_config))
+        self.service = GenerationService(AsyncLLMEngine(engine), replicas=replicas)
+
+    async def Generate(  # noqa: N802 - named after the RPC
+        self, request: pb.GenerateRequest, grpc_context: RayServegRPCContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        try:
+            async for msg in self.service.Generate(request):
+                yield msg
+        except Exception as exc:
+            _set_status(grpc_context, exc)
+            raise
+
+    async def ModelInfo(  # noqa: N802
+        self, request: pb.ModelInfoRequest, grpc_context: RayServegRPCContext
+    ) -> pb.ModelInfoResponse:
+        return await self.service.ModelInfo(request)
+
+    async def Tokenize(  # noqa: N802
+        self, request: pb.TokenizeRequest, grpc_context: RayServegRPCContext
+    ) -> pb.TokenizeResponse:
+        try:
+            return await self.service.Tokenize(request)
+        except Exception as exc:
+            _set_status(grpc_context, exc)
+            raise
+
+    def kv_cache_usage(self) -> float:
+        return self.service.engine.engine.kv_cache_usage()
+
+
+def _set_status(grpc_context: RayServegRPCContext, exc: Exception) -> None:
+    """The proxy sends a status the replica set before raising (not INTERNAL)."""
+    grpc_context.set_code(status_code(exc))
+    grpc_context.set_details(str(exc))

@@ -1,0 +1,115 @@
+"""The Ray Serve application over real Ray (local) and Ray Serve's own gRPC proxy."""
+
+from __future__ import annotations
+
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+from pydantic import ValidationError
+
+from cluster.app import GRPC_SERVICER_FUNCTIONS, AppConfig, build_app
+from kvserve.v1 import generation_pb2 as pb
+from kvserve.v1 import generation_pb2_grpc as pb_grpc
+from tests.helpers import output_ids
+
+APP = "kvserve"
+METADATA = (("application", APP),)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served():
+    """One replica on a local Ray cluster; yields (stub, deployment handle)."""
+    import ray
+    from ray import serve
+    from ray.serve.config import gRPCOptions
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    port = _free_port()
+    serve.start(
+        grpc_options=gRPCOptions(port=port, grpc_servicer_functions=GRPC_SERVICER_FUNCTIONS),
+        http_options={"host": "127.0.0.1", "port": _free_port()},
+    )
+    handle = serve.run(build_app({"kv_cache_memory": "256MiB"}), name=APP)
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        yield pb_grpc.GenerationStub(channel), handle
+    finally:
+        channel.close()
+        serve.shutdown()
+        ray.shutdown()
+
+
+def _stream(stub, prompt: str, **params) -> list[pb.GenerateResponse]:
+    request = pb.GenerateRequest(prompt=prompt, params=pb.SamplingParams(**params))
+    return list(stub.Generate(request, metadata=METADATA))
+
+
+def test_concurrent_streams_equal_the_in_process_engine(served, real_engine):
+    stub, _ = served
+    prompts = ["The capital of France is", "def add(a, b):", "Once upon a time", "1, 2, 3,"]
+    expected = [
+        output_ids(
+            next(
+                iter(
+                    real_engine.generate_all(
+                        [{"prompt": p, "params": {"temperature": 0, "max_tokens": 16}}]
+                    ).values()
+                )
+            )
+        )
+        for p in prompts
+    ]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        results = list(pool.map(lambda p: _stream(stub, p, temperature=0, max_tokens=16), prompts))
+    for responses, want in zip(results, expected, strict=True):
+        assert [t for r in responses for t in r.token_ids] == want
+        assert responses[-1].finish_reason == pb.FINISH_REASON_LENGTH
+
+
+def test_bad_input_is_invalid_argument_through_the_proxy(served):
+    stub, _ = served
+    with pytest.raises(grpc.RpcError) as err:
+        _stream(stub, "hi", top_p=1.5)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "top_p" in err.value.details()
+    assert _stream(stub, "hi", max_tokens=2)[-1].finish_reason == pb.FINISH_REASON_LENGTH
+
+
+def test_cancelled_stream_frees_its_blocks_on_the_replica(served):
+    stub, handle = served
+    call = stub.Generate(
+        pb.GenerateRequest(
+            prompt="Count to a thousand:",
+            params=pb.SamplingParams(max_tokens=1000, ignore_eos=True),
+        ),
+        metadata=METADATA,
+    )
+    next(call)
+    assert handle.kv_cache_usage.remote().result() > 0
+    call.cancel()
+    deadline = time.monotonic() + 5
+    while handle.kv_cache_usage.remote().result() > 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert handle.kv_cache_usage.remote().result() == 0
+
+
+def test_model_info_through_the_proxy(served):
+    stub, _ = served
+    info = stub.ModelInfo(pb.ModelInfoRequest(), metadata=METADATA)
+    assert (info.model, info.replicas, info.vocab_size) == ("SmolLM2-135M-Instruct", 1, 49152)
+
+
+def test_app_config_rejects_unknown_and_bad_fields():
+    with pytest.raises(ValidationError, match="replicaz"):
+        AppConfig.model_validate({"replicaz": 2})
+    with pytest.raises(ValidationError, match="replicas"):
+        AppConfig.model_validate({"replicas": 0})
