@@ -27,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(title="commands")
     _add_generate(sub)
+    _add_up(sub)
     _add_bench(sub)
     return parser
 
@@ -72,6 +73,8 @@ def _add_generate(sub) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (text, token_ids, finish_reason, usage)")
+    p.add_argument("--target", default=None, metavar="HOST:PORT",
+                   help="stream from a running deployment over gRPC instead of in-process")
     add_engine_args(p)
     p.set_defaults(run=_run_generate)
 
@@ -85,6 +88,8 @@ def _run_generate(args: argparse.Namespace) -> int:
     }
     prompt = {"messages": [{"role": "user", "content": args.prompt}]} if args.chat else {
         "prompt": args.prompt}
+    if args.target:
+        return _generate_remote(args.target, prompt, params, args.json)
     try:
         result = asyncio.run(_stream(engine_config(args), prompt, params, echo=not args.json))
     except InvalidRequestError as exc:
@@ -93,6 +98,64 @@ def _run_generate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result))
     return 0
+
+
+def _generate_remote(target: str, prompt: dict, params: dict, as_json: bool) -> int:
+    import grpc
+
+    from cluster.client import Client
+
+    params = {k: v for k, v in params.items() if v is not None and v != []}
+    text, ids, last = [], [], None
+    try:
+        with Client(target) as client:
+            for msg in client.generate(prompt.get("prompt"), messages=prompt.get("messages"),
+                                       **params):
+                text.append(msg.text)
+                ids += msg.token_ids
+                last = msg
+                if not as_json:
+                    print(msg.text, end="", flush=True)
+    except grpc.RpcError as exc:
+        print(f"kvserve: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 2 if exc.code() == grpc.StatusCode.INVALID_ARGUMENT else 1
+    if as_json:
+        from google.protobuf.json_format import MessageToDict
+
+        print(json.dumps({
+            "text": "".join(text), "token_ids": ids,
+            "finish_reason": _finish_name(last.finish_reason) if last else None,
+            "usage": MessageToDict(last.usage, preserving_proto_field_name=True) if last else None,
+        }))
+    else:
+        print()
+    return 0
+
+
+def _finish_name(code: int) -> str:
+    from kvserve.v1 import generation_pb2 as pb
+
+    return pb.FinishReason.Name(code).removeprefix("FINISH_REASON_").lower()
+
+
+def _add_up(sub) -> None:
+    p = sub.add_parser(
+        "up", help="start a local Ray cluster (or join RAY_ADDRESS) and serve over gRPC",
+        description="Deploy kvserve on Ray Serve and serve gRPC until Ctrl-C.")
+    p.add_argument("--replicas", type=int, default=None, help="replicas (default 1)")
+    p.add_argument("--model", default=None, help="model for every replica")
+    p.add_argument("--grpc-port", type=int, default=50051)
+    p.add_argument("--kv-cache-memory", default=None, help="KV pool per replica, e.g. 1GiB")
+    p.add_argument("--config", default=None, help="YAML file of AppConfig fields")
+    p.set_defaults(run=_run_up)
+
+
+def _run_up(args: argparse.Namespace) -> int:
+    from cluster.launch import serve_until_interrupted
+
+    overrides = {"replicas": args.replicas, "model": args.model,
+                 "kv_cache_memory": args.kv_cache_memory}
+    return serve_until_interrupted(args.config, overrides, args.grpc_port)
 
 
 async def _stream(config: EngineConfig, prompt: dict, params: dict, echo: bool) -> dict:

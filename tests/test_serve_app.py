@@ -41,7 +41,7 @@ def served():
     handle = serve.run(build_app({"kv_cache_memory": "256MiB"}), name=APP)
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     try:
-        yield pb_grpc.GenerationStub(channel), handle
+        yield pb_grpc.GenerationStub(channel), handle, f"127.0.0.1:{port}"
     finally:
         channel.close()
         serve.shutdown()
@@ -54,7 +54,7 @@ def _stream(stub, prompt: str, **params) -> list[pb.GenerateResponse]:
 
 
 def test_concurrent_streams_equal_the_in_process_engine(served, real_engine):
-    stub, _ = served
+    stub, *_ = served
     prompts = ["The capital of France is", "def add(a, b):", "Once upon a time", "1, 2, 3,"]
     expected = [
         output_ids(
@@ -76,7 +76,7 @@ def test_concurrent_streams_equal_the_in_process_engine(served, real_engine):
 
 
 def test_bad_input_is_invalid_argument_through_the_proxy(served):
-    stub, _ = served
+    stub, *_ = served
     with pytest.raises(grpc.RpcError) as err:
         _stream(stub, "hi", top_p=1.5)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -85,7 +85,7 @@ def test_bad_input_is_invalid_argument_through_the_proxy(served):
 
 
 def test_cancelled_stream_frees_its_blocks_on_the_replica(served):
-    stub, handle = served
+    stub, handle, _ = served
     call = stub.Generate(
         pb.GenerateRequest(
             prompt="Count to a thousand:",
@@ -103,7 +103,7 @@ def test_cancelled_stream_frees_its_blocks_on_the_replica(served):
 
 
 def test_model_info_through_the_proxy(served):
-    stub, _ = served
+    stub, *_ = served
     info = stub.ModelInfo(pb.ModelInfoRequest(), metadata=METADATA)
     assert (info.model, info.replicas, info.vocab_size) == ("SmolLM2-135M-Instruct", 1, 49152)
 
@@ -113,3 +113,24 @@ def test_app_config_rejects_unknown_and_bad_fields():
         AppConfig.model_validate({"replicaz": 2})
     with pytest.raises(ValidationError, match="replicas"):
         AppConfig.model_validate({"replicas": 0})
+
+
+def test_async_client_streams_and_reports_errors(served):
+    import asyncio
+
+    from cluster.client import AsyncClient
+
+    _, _, target = served
+
+    async def scenario() -> None:
+        async with AsyncClient(target) as client:
+            chunks = [c async for c in client.generate("Hello", max_tokens=5, temperature=0)]
+            assert sum(len(c.token_ids) for c in chunks) == 5
+            assert (await client.model_info()).replicas == 1
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for _ in client.generate(prompt_token_ids=[1, 10**9]):
+                    pass
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "prompt_token_ids" in err.value.details()
+
+    asyncio.run(scenario())

@@ -1,0 +1,91 @@
+"""A small Python client over the generated stubs: `Client` (sync) and `AsyncClient` (asyncio).
+
+    with Client("127.0.0.1:50051") as client:
+        for chunk in client.generate("Hello", max_tokens=32, temperature=0):
+            print(chunk.text, end="")
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import grpc
+
+from kvserve.v1 import generation_pb2 as pb
+from kvserve.v1 import generation_pb2_grpc as pb_grpc
+
+DEFAULT_APPLICATION = "kvserve"
+
+
+def generate_request(
+    prompt: str | None = None, *, prompt_token_ids: list[int] | None = None,
+    messages: list[dict[str, str]] | None = None, request_id: str = "", **params: Any,
+) -> pb.GenerateRequest:
+    """`params` are SamplingParams fields (max_tokens, temperature, seed, stop, ...)."""
+    request = pb.GenerateRequest(request_id=request_id, params=pb.SamplingParams(**params))
+    if prompt is not None:
+        request.prompt = prompt
+    if prompt_token_ids is not None:
+        request.prompt_token_ids.ids.extend(prompt_token_ids)
+    if messages is not None:
+        request.messages.messages.extend(pb.ChatMessage(**m) for m in messages)
+    return request
+
+
+class Client:
+    def __init__(self, target: str, application: str = DEFAULT_APPLICATION,
+                 timeout: float | None = None) -> None:
+        self.channel = grpc.insecure_channel(target)
+        self.stub = pb_grpc.GenerationStub(self.channel)
+        self.metadata = (("application", application),)
+        self.timeout = timeout
+
+    def generate(self, prompt: str | None = None, **kwargs: Any) -> Iterator[pb.GenerateResponse]:
+        """Stream GenerateResponses; raises grpc.RpcError (e.g. INVALID_ARGUMENT)."""
+        request = generate_request(prompt, **kwargs)
+        yield from self.stub.Generate(request, metadata=self.metadata, timeout=self.timeout)
+
+    def model_info(self) -> pb.ModelInfoResponse:
+        return self.stub.ModelInfo(pb.ModelInfoRequest(), metadata=self.metadata)
+
+    def tokenize(self, prompt: str) -> list[int]:
+        reply = self.stub.Tokenize(pb.TokenizeRequest(prompt=prompt), metadata=self.metadata)
+        return list(reply.token_ids)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncClient:
+    def __init__(self, target: str, application: str = DEFAULT_APPLICATION,
+                 timeout: float | None = None) -> None:
+        self.channel = grpc.aio.insecure_channel(target)
+        self.stub = pb_grpc.GenerationStub(self.channel)
+        self.metadata = (("application", application),)
+        self.timeout = timeout
+
+    async def generate(
+        self, prompt: str | None = None, **kwargs: Any
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        request = generate_request(prompt, **kwargs)
+        async for msg in self.stub.Generate(request, metadata=self.metadata, timeout=self.timeout):
+            yield msg
+
+    async def model_info(self) -> pb.ModelInfoResponse:
+        return await self.stub.ModelInfo(pb.ModelInfoRequest(), metadata=self.metadata)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
