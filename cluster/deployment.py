@@ -15,6 +15,7 @@ from ray import serve
 from ray.serve.grpc_util import RayServegRPCContext
 
 from cluster.convert import status_code
+from cluster.metrics import ServiceMetrics
 from cluster.service import GenerationService
 from kvserve.v1 import generation_pb2 as pb
 from workers.async_engine import AsyncLLMEngine
@@ -25,14 +26,15 @@ from workers.engine import LLMEngine
 @serve.deployment(name="Generation")
 class GenerationDeployment:
     def __init__(self, engine_config: dict[str, Any], replicas: int) -> None:
-        engine = LLMEngine(EngineConfig(**engine_config))
-        self.service = GenerationService(AsyncLLMEngine(engine), replicas=replicas)
+        self.engine = LLMEngine(EngineConfig(**engine_config))
+        self.service = GenerationService(AsyncLLMEngine(self.engine), replicas=replicas)
+        self.metrics = ServiceMetrics(self.engine.info.name)
 
     async def Generate(  # noqa: N802 - named after the RPC
         self, request: pb.GenerateRequest, grpc_context: RayServegRPCContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         try:
-            async for msg in self.service.Generate(request):
+            async for msg in self.metrics.track(self.service.Generate(request), self.engine):
                 yield msg
         except Exception as exc:
             _set_status(grpc_context, exc)
@@ -53,7 +55,7 @@ class GenerationDeployment:
             raise
 
     def kv_cache_usage(self) -> float:
-        return self.service.engine.engine.kv_cache_usage()
+        return self.engine.kv_cache_usage()
 
 
 def _set_status(grpc_context: RayServegRPCContext, exc: Exception) -> None:

@@ -32,16 +32,24 @@ def served():
     from ray import serve
     from ray.serve.config import gRPCOptions
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    metrics_port = _free_port()
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        _metrics_export_port=metrics_port,
+        _system_config={"metrics_report_interval_ms": 1000},
+    )
     port = _free_port()
     serve.start(
         grpc_options=gRPCOptions(port=port, grpc_servicer_functions=GRPC_SERVICER_FUNCTIONS),
         http_options={"host": "127.0.0.1", "port": _free_port()},
     )
-    handle = serve.run(build_app({"kv_cache_memory": "256MiB"}), name=APP)
+    # two sequences at a time, so that a third request waits (the waiting gauge is exercised)
+    handle = serve.run(build_app({"kv_cache_memory": "256MiB", "max_num_seqs": 2}), name=APP)
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     try:
-        yield pb_grpc.GenerationStub(channel), handle, f"127.0.0.1:{port}"
+        yield pb_grpc.GenerationStub(channel), handle, f"127.0.0.1:{port}", metrics_port
     finally:
         channel.close()
         serve.shutdown()
@@ -85,7 +93,7 @@ def test_bad_input_is_invalid_argument_through_the_proxy(served):
 
 
 def test_cancelled_stream_frees_its_blocks_on_the_replica(served):
-    stub, handle, _ = served
+    stub, handle, *_ = served
     call = stub.Generate(
         pb.GenerateRequest(
             prompt="Count to a thousand:",
@@ -120,7 +128,7 @@ def test_async_client_streams_and_reports_errors(served):
 
     from cluster.client import AsyncClient
 
-    _, _, target = served
+    _, _, target, _ = served
 
     async def scenario() -> None:
         async with AsyncClient(target) as client:
@@ -134,3 +142,46 @@ def test_async_client_streams_and_reports_errors(served):
             assert "prompt_token_ids" in err.value.details()
 
     asyncio.run(scenario())
+
+
+def _metric_values(text: str) -> dict[str, float]:
+    """Prometheus text -> the largest sample per metric family name."""
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        name = line.split("{")[0].split(" ")[0]
+        values[name] = max(values.get(name, 0.0), float(line.rsplit(" ", 1)[-1]))
+    return values
+
+
+def _nonzero(values: dict[str, float], metric: str) -> bool:
+    """The exact Prometheus names the Grafana dashboard queries (histograms via _count)."""
+    return values.get(f"ray_{metric}", 0) > 0 or values.get(f"ray_{metric}_count", 0) > 0
+
+
+def test_prometheus_endpoint_exposes_every_metric_during_traffic(served):
+    import urllib.request
+
+    from cluster.metrics import METRIC_NAMES
+
+    stub, _, _, metrics_port = served
+    assert _stream(stub, "Hi", max_tokens=3)[-1].finish_reason  # a finished request
+    long = pb.GenerateRequest(
+        prompt="Tell me a long story.", params=pb.SamplingParams(max_tokens=2000, ignore_eos=True)
+    )
+    calls = [stub.Generate(long, metadata=METADATA) for _ in range(3)]  # the third one waits
+    missing: list[str] = list(METRIC_NAMES)
+    deadline = time.monotonic() + 60
+    try:
+        while missing and time.monotonic() < deadline:
+            for _ in range(5):
+                next(calls[0]), next(calls[1])  # keep tokens (and so the gauges) moving
+            url = f"http://127.0.0.1:{metrics_port}/metrics"
+            text = urllib.request.urlopen(url, timeout=5).read().decode()
+            values = _metric_values(text)
+            missing = [m for m in METRIC_NAMES if not _nonzero(values, m)]
+    finally:
+        for call in calls:
+            call.cancel()
+    assert not missing, f"metrics absent or zero: {missing}"
