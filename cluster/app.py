@@ -16,11 +16,21 @@ from cluster.deployment import GenerationDeployment
 GRPC_SERVICER_FUNCTIONS = ["kvserve.v1.generation_pb2_grpc.add_GenerationServicer_to_server"]
 
 
+class Autoscaling(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: int = Field(2, ge=1)
+    # ongoing requests per replica Serve aims for: high, so continuous batching fills batches
+    target_ongoing_requests: float = Field(32, gt=0)
+
+
 class AppConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None  # None: SmolLM2-135M-Instruct
-    replicas: int = Field(1, ge=1)
+    replicas: int = Field(1, ge=1)  # fixed replica count, unless `autoscaling` is set
+    autoscaling: Autoscaling | None = None
     max_ongoing_requests: int = Field(256, ge=1)  # enough to fill continuous batches
     num_cpus_per_replica: float = Field(1.0, gt=0)
     num_gpus_per_replica: float = Field(0.0, ge=0)  # 1 on GPU nodes
@@ -36,10 +46,14 @@ class AppConfig(BaseModel):
 
 def build_app(args: dict[str, Any] | AppConfig) -> Application:
     config = args if isinstance(args, AppConfig) else AppConfig.model_validate(args)
+    scaling: dict[str, Any] = {"num_replicas": config.replicas}
+    if config.autoscaling is not None:
+        scaling = {"num_replicas": "auto", "autoscaling_config": config.autoscaling.model_dump()}
     deployment = GenerationDeployment.options(
-        num_replicas=config.replicas,
+        **scaling,
         max_ongoing_requests=config.max_ongoing_requests,
         ray_actor_options={"num_cpus": config.num_cpus_per_replica,
                            "num_gpus": config.num_gpus_per_replica},
     )
-    return deployment.bind(config.engine_config(), config.replicas)
+    replicas = config.autoscaling.max_replicas if config.autoscaling else config.replicas
+    return deployment.bind(config.engine_config(), replicas)

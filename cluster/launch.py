@@ -20,6 +20,8 @@ def load_config(path: str | None, overrides: dict[str, Any]) -> AppConfig:
         import yaml
 
         values = yaml.safe_load(Path(path).read_text()) or {}
+        if "applications" in values:  # a Serve config (infra/serve/*.yaml): its app's args
+            values = values["applications"][0].get("args") or {}
     values |= {k: v for k, v in overrides.items() if v is not None}
     return AppConfig.model_validate(values)
 

@@ -146,7 +146,8 @@ def _add_up(sub) -> None:
     p.add_argument("--model", default=None, help="model for every replica")
     p.add_argument("--grpc-port", type=int, default=50051)
     p.add_argument("--kv-cache-memory", default=None, help="KV pool per replica, e.g. 1GiB")
-    p.add_argument("--config", default=None, help="YAML file of AppConfig fields")
+    p.add_argument("--config", default=None,
+                   help="YAML of AppConfig fields, or a Serve config like infra/serve/cpu.yaml")
     p.set_defaults(run=_run_up)
 
 
