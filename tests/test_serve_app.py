@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -10,59 +9,20 @@ import grpc
 import pytest
 from pydantic import ValidationError
 
-from cluster.app import GRPC_SERVICER_FUNCTIONS, AppConfig, build_app
+from cluster.app import AppConfig
 from kvserve.v1 import generation_pb2 as pb
-from kvserve.v1 import generation_pb2_grpc as pb_grpc
 from tests.helpers import output_ids
-
-APP = "kvserve"
-METADATA = (("application", APP),)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.serving import METADATA, Served, serve_locally
 
 
 @pytest.fixture(scope="module")
-def served():
-    """One replica on a local Ray cluster; yields (stub, deployment handle)."""
-    import ray
-    from ray import serve
-    from ray.serve.config import gRPCOptions
-
-    metrics_port = _free_port()
-    ray.init(
-        num_cpus=2,
-        include_dashboard=False,
-        log_to_driver=False,
-        _metrics_export_port=metrics_port,
-        _system_config={"metrics_report_interval_ms": 1000},
-    )
-    port = _free_port()
-    serve.start(
-        grpc_options=gRPCOptions(port=port, grpc_servicer_functions=GRPC_SERVICER_FUNCTIONS),
-        http_options={"host": "127.0.0.1", "port": _free_port()},
-    )
+def served() -> Served:
     # two sequences at a time, so that a third request waits (the waiting gauge is exercised)
-    handle = serve.run(build_app({"kv_cache_memory": "256MiB", "max_num_seqs": 2}), name=APP)
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-    try:
-        yield pb_grpc.GenerationStub(channel), handle, f"127.0.0.1:{port}", metrics_port
-    finally:
-        channel.close()
-        serve.shutdown()
-        ray.shutdown()
-
-
-def _stream(stub, prompt: str, **params) -> list[pb.GenerateResponse]:
-    request = pb.GenerateRequest(prompt=prompt, params=pb.SamplingParams(**params))
-    return list(stub.Generate(request, metadata=METADATA))
+    with serve_locally({"kv_cache_memory": "256MiB", "max_num_seqs": 2}) as served:
+        yield served
 
 
 def test_concurrent_streams_equal_the_in_process_engine(served, real_engine):
-    stub, *_ = served
     prompts = ["The capital of France is", "def add(a, b):", "Once upon a time", "1, 2, 3,"]
     expected = [
         output_ids(
@@ -77,23 +37,22 @@ def test_concurrent_streams_equal_the_in_process_engine(served, real_engine):
         for p in prompts
     ]
     with ThreadPoolExecutor(len(prompts)) as pool:
-        results = list(pool.map(lambda p: _stream(stub, p, temperature=0, max_tokens=16), prompts))
+        results = list(pool.map(lambda p: served.stream(p, temperature=0, max_tokens=16), prompts))
     for responses, want in zip(results, expected, strict=True):
         assert [t for r in responses for t in r.token_ids] == want
         assert responses[-1].finish_reason == pb.FINISH_REASON_LENGTH
 
 
 def test_bad_input_is_invalid_argument_through_the_proxy(served):
-    stub, *_ = served
     with pytest.raises(grpc.RpcError) as err:
-        _stream(stub, "hi", top_p=1.5)
+        served.stream("hi", top_p=1.5)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "top_p" in err.value.details()
-    assert _stream(stub, "hi", max_tokens=2)[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    assert served.stream("hi", max_tokens=2)[-1].finish_reason == pb.FINISH_REASON_LENGTH
 
 
 def test_cancelled_stream_frees_its_blocks_on_the_replica(served):
-    stub, handle, *_ = served
+    stub, handle = served.stub, served.handle
     call = stub.Generate(
         pb.GenerateRequest(
             prompt="Count to a thousand:",
@@ -111,7 +70,7 @@ def test_cancelled_stream_frees_its_blocks_on_the_replica(served):
 
 
 def test_model_info_through_the_proxy(served):
-    stub, *_ = served
+    stub = served.stub
     info = stub.ModelInfo(pb.ModelInfoRequest(), metadata=METADATA)
     assert (info.model, info.replicas, info.vocab_size) == ("SmolLM2-135M-Instruct", 1, 49152)
 
@@ -128,7 +87,7 @@ def test_async_client_streams_and_reports_errors(served):
 
     from cluster.client import AsyncClient
 
-    _, _, target, _ = served
+    target = served.target
 
     async def scenario() -> None:
         async with AsyncClient(target) as client:
@@ -144,29 +103,17 @@ def test_async_client_streams_and_reports_errors(served):
     asyncio.run(scenario())
 
 
-def _metric_values(text: str) -> dict[str, float]:
-    """Prometheus text -> the largest sample per metric family name."""
-    values: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("#") or not line.strip():
-            continue
-        name = line.split("{")[0].split(" ")[0]
-        values[name] = max(values.get(name, 0.0), float(line.rsplit(" ", 1)[-1]))
-    return values
-
-
-def _nonzero(values: dict[str, float], metric: str) -> bool:
+def _nonzero(families: dict[str, list[tuple[str, float]]], metric: str) -> bool:
     """The exact Prometheus names the Grafana dashboard queries (histograms via _count)."""
-    return values.get(f"ray_{metric}", 0) > 0 or values.get(f"ray_{metric}_count", 0) > 0
+    samples = families.get(f"ray_{metric}", []) + families.get(f"ray_{metric}_count", [])
+    return any(value > 0 for _, value in samples)
 
 
 def test_prometheus_endpoint_exposes_every_metric_during_traffic(served):
-    import urllib.request
-
     from cluster.metrics import METRIC_NAMES
 
-    stub, _, _, metrics_port = served
-    assert _stream(stub, "Hi", max_tokens=3)[-1].finish_reason  # a finished request
+    stub = served.stub
+    assert served.stream("Hi", max_tokens=3)[-1].finish_reason  # a finished request
     long = pb.GenerateRequest(
         prompt="Tell me a long story.", params=pb.SamplingParams(max_tokens=2000, ignore_eos=True)
     )
@@ -177,10 +124,8 @@ def test_prometheus_endpoint_exposes_every_metric_during_traffic(served):
         while missing and time.monotonic() < deadline:
             for _ in range(5):
                 next(calls[0]), next(calls[1])  # keep tokens (and so the gauges) moving
-            url = f"http://127.0.0.1:{metrics_port}/metrics"
-            text = urllib.request.urlopen(url, timeout=5).read().decode()
-            values = _metric_values(text)
-            missing = [m for m in METRIC_NAMES if not _nonzero(values, m)]
+            families = served.metrics()
+            missing = [m for m in METRIC_NAMES if not _nonzero(families, m)]
     finally:
         for call in calls:
             call.cancel()
