@@ -130,3 +130,47 @@ def test_prometheus_endpoint_exposes_every_metric_during_traffic(served):
         for call in calls:
             call.cancel()
     assert not missing, f"metrics absent or zero: {missing}"
+
+
+def _wait_kv_free(handle, timeout: float = 5.0) -> float:
+    deadline = time.monotonic() + timeout
+    usage = handle.kv_cache_usage.remote().result()
+    while usage > 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+        usage = handle.kv_cache_usage.remote().result()
+    return usage
+
+
+def test_50_random_cancels_leave_kv_usage_at_zero(served):
+    import random
+
+    request = pb.GenerateRequest(
+        prompt="Write a very long essay about the sea.",
+        params=pb.SamplingParams(max_tokens=400, ignore_eos=True),
+    )
+
+    def read_then_cancel(tokens: int) -> None:
+        call = served.stub.Generate(request, metadata=METADATA)
+        for _ in range(tokens):
+            next(call)
+        call.cancel()
+
+    rng = random.Random(0)
+    with ThreadPoolExecutor(10) as pool:  # waves of 10 concurrent streams, cancelled at random
+        for _ in range(5):
+            list(pool.map(read_then_cancel, [rng.randint(0, 3) for _ in range(10)]))
+    assert _wait_kv_free(served.handle) == 0
+    assert served.stream("hi", max_tokens=2)[-1].finish_reason == pb.FINISH_REASON_LENGTH
+
+
+def test_deadline_exceeded_aborts_the_request_and_frees_its_blocks(served):
+    request = pb.GenerateRequest(
+        prompt="Count to a million:", params=pb.SamplingParams(max_tokens=3000, ignore_eos=True)
+    )
+    start = time.monotonic()
+    with pytest.raises(grpc.RpcError) as err:
+        for _ in served.stub.Generate(request, metadata=METADATA, timeout=2.0):
+            pass
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert time.monotonic() - start < 10
+    assert _wait_kv_free(served.handle) == 0
