@@ -15,3 +15,8 @@ def assert_engine_idle(engine: LLMEngine) -> None:
 def output_ids(outputs) -> list[int]:
     """All token ids of one request's stream of RequestOutputs."""
     return [t for o in outputs for t in o.token_ids]
+
+
+def solo_ids(engine: LLMEngine, **request) -> list[int]:
+    """The token ids of one request run alone to completion on `engine`."""
+    return output_ids(next(iter(engine.generate_all([request]).values())))

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers import assert_engine_idle, output_ids
+from tests.helpers import assert_engine_idle, output_ids, solo_ids
 from tests.prompts import varied_prompts
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
 
 
 def run_solo(engine: LLMEngine, request: dict) -> list[int]:
-    return output_ids(next(iter(engine.generate_all([request]).values())))
+    return solo_ids(engine, **request)
 
 
 def run_together(engine: LLMEngine, requests: list[dict]) -> list[list[int]]:

@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from tests.helpers import solo_ids
+
 KVSERVE = [sys.executable, "-m", "kvserve"]
 
 
@@ -21,21 +23,39 @@ def test_help_explains_every_command(args):
     assert out.returncode == 0
     assert "usage: kvserve" in out.stdout
     if args == ["generate"]:
-        for flag in ("--max-tokens", "--temperature", "--top-p", "--top-k", "--seed", "--chat",
-                     "--json", "--model", "--kv-cache-memory"):
+        for flag in (
+            "--max-tokens",
+            "--temperature",
+            "--top-p",
+            "--top-k",
+            "--seed",
+            "--chat",
+            "--json",
+            "--model",
+            "--kv-cache-memory",
+        ):
             assert flag in out.stdout
 
 
 def test_generate_json_matches_the_engine(real_engine):
-    out = run("generate", "What is the capital of France?", "--chat", "--max-tokens", "16",
-              "--json", "--kv-cache-memory", "256MiB")
+    out = run(
+        "generate",
+        "What is the capital of France?",
+        "--chat",
+        "--max-tokens",
+        "16",
+        "--json",
+        "--kv-cache-memory",
+        "256MiB",
+    )
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
     assert set(result) >= {"text", "token_ids", "finish_reason", "usage"}
-    expected = real_engine.generate_all([{
-        "messages": [{"role": "user", "content": "What is the capital of France?"}],
-        "params": {"max_tokens": 16, "temperature": 0}}])
-    ids = [t for o in next(iter(expected.values())) for t in o.token_ids]
+    ids = solo_ids(
+        real_engine,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        params={"max_tokens": 16, "temperature": 0},
+    )
     assert result["token_ids"] == ids
     assert "Paris" in result["text"]
     assert result["usage"]["completion_tokens"] == len(ids)
@@ -55,13 +75,32 @@ def test_bad_input_is_a_clear_error_not_a_traceback():
 
 
 def test_bench_throughput_json_reports_every_contender():
-    out = run("bench", "throughput", "--requests", "2", "--prompt-len", "16", "--output-len", "4",
-              "--hf-sequential-requests", "1", "--kv-cache-memory", "64MiB", "--json")
+    out = run(
+        "bench",
+        "throughput",
+        "--requests",
+        "2",
+        "--prompt-len",
+        "16",
+        "--output-len",
+        "4",
+        "--hf-sequential-requests",
+        "1",
+        "--kv-cache-memory",
+        "64MiB",
+        "--json",
+    )
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
-    for key in ("kvserve_tok_s", "hf_generate_tok_s", "hf_generate_batch_tok_s",
-                "decode_ms_per_token", "bandwidth_limit_ms_per_token"):
+    for key in (
+        "kvserve_tok_s",
+        "hf_generate_tok_s",
+        "hf_generate_batch_tok_s",
+        "decode_ms_per_token",
+        "bandwidth_limit_ms_per_token",
+    ):
         assert report[key] > 0, key
     assert report["speedup_vs_hf_generate"] == pytest.approx(
-        report["kvserve_tok_s"] / report["hf_generate_tok_s"])
+        report["kvserve_tok_s"] / report["hf_generate_tok_s"]
+    )
     assert report["config"]["requests"] == 2

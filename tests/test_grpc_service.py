@@ -12,7 +12,7 @@ from cluster.service import GenerationService, add_to_server
 from kvserve.protogen import ROOT, generate
 from kvserve.v1 import generation_pb2 as pb
 from kvserve.v1 import generation_pb2_grpc as pb_grpc
-from tests.helpers import assert_engine_idle, output_ids
+from tests.helpers import assert_engine_idle, solo_ids
 from workers.async_engine import AsyncLLMEngine
 
 
@@ -43,15 +43,7 @@ def serve(engine, scenario):
 
 def test_generate_streams_the_engines_tokens(real_engine):
     prompt = "The history of the Roman Empire"
-    expected = output_ids(
-        next(
-            iter(
-                real_engine.generate_all(
-                    [{"prompt": prompt, "params": {"temperature": 0, "max_tokens": 20}}]
-                ).values()
-            )
-        )
-    )
+    expected = solo_ids(real_engine, prompt=prompt, params={"temperature": 0, "max_tokens": 20})
 
     async def scenario(stub, core):
         request = pb.GenerateRequest(

@@ -11,7 +11,7 @@ from pydantic import ValidationError
 
 from cluster.app import AppConfig
 from kvserve.v1 import generation_pb2 as pb
-from tests.helpers import output_ids
+from tests.helpers import solo_ids
 from tests.serving import METADATA, Served, serve_locally
 
 
@@ -25,15 +25,7 @@ def served() -> Served:
 def test_concurrent_streams_equal_the_in_process_engine(served, real_engine):
     prompts = ["The capital of France is", "def add(a, b):", "Once upon a time", "1, 2, 3,"]
     expected = [
-        output_ids(
-            next(
-                iter(
-                    real_engine.generate_all(
-                        [{"prompt": p, "params": {"temperature": 0, "max_tokens": 16}}]
-                    ).values()
-                )
-            )
-        )
+        solo_ids(real_engine, prompt=p, params={"temperature": 0, "max_tokens": 16})
         for p in prompts
     ]
     with ThreadPoolExecutor(len(prompts)) as pool:

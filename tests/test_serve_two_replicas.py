@@ -7,7 +7,7 @@ import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from tests.helpers import output_ids
+from tests.helpers import solo_ids
 from tests.prompts import varied_prompts
 from tests.serving import serve_locally
 
@@ -17,15 +17,7 @@ def test_two_replicas_serve_16_concurrent_clients_exactly(real_engine):
     texts = [tok.decode(ids) for name, ids in varied_prompts(tok).items() if name != "long_1500"]
     prompts = [f"{texts[i % len(texts)]} ({i})" for i in range(16)]
     expected = {
-        p: output_ids(
-            next(
-                iter(
-                    real_engine.generate_all(
-                        [{"prompt": p, "params": {"temperature": 0, "max_tokens": 12}}]
-                    ).values()
-                )
-            )
-        )
+        p: solo_ids(real_engine, prompt=p, params={"temperature": 0, "max_tokens": 12})
         for p in prompts
     }
     app = {"replicas": 2, "num_cpus_per_replica": 1, "kv_cache_memory": "256MiB"}
