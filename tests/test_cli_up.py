@@ -5,18 +5,12 @@ from __future__ import annotations
 import json
 import queue
 import signal
-import socket
 import subprocess
 import threading
 import time
 
+from tests.serving import free_port
 from tests.test_cli import KVSERVE, run
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _lines(proc: subprocess.Popen) -> queue.Queue:
@@ -38,7 +32,7 @@ def _wait_for(lines: queue.Queue, needle: str, timeout: float) -> list[str]:
 
 
 def test_up_generate_target_and_ctrl_c():
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [*KVSERVE, "up", "--grpc-port", str(port), "--kv-cache-memory", "256MiB"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
