@@ -13,7 +13,7 @@ from ray.serve import Application
 
 from cluster.deployment import GenerationDeployment
 
-GRPC_SERVICER_FUNCTIONS = ["kvserve.v1.generation_pb2_grpc.add_GenerationServicer_to_server"]
+GRPC_SERVICER_FUNCTIONS = ["cluster.grpc_ingress.add_generation_servicer"]
 
 
 class Autoscaling(BaseModel):

@@ -1,0 +1,102 @@
+"""The proxy cancel guard, on a stand-in for Ray Serve 2.60's streaming handler.
+
+The stand-in has the shape of the proxy's `send_request_to_replica`: the replica request is
+cancelled only when CancelledError reaches it while it awaits the next result; at a `yield` it
+swallows GeneratorExit. The real path is covered by the 50-cancel test in test_serve_app.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from cluster.grpc_ingress import _cancel_safe_factory, cancel_safe
+
+
+class FakeReplicaRequest:
+    def __init__(self) -> None:
+        self.cancelled = False
+
+
+def proxy_like_handler(replica: FakeReplicaRequest, messages: int):
+    async def handler(request, context):
+        try:
+            for i in range(messages):
+                try:
+                    await asyncio.sleep(0.001)  # waiting for the replica's next result
+                except asyncio.CancelledError:
+                    replica.cancelled = True
+                    raise
+                yield f"msg{i}"
+        except BaseException:  # noqa: BLE001 - what the proxy does
+            pass
+
+    return handler
+
+
+class SlowWriter:
+    """A grpc context whose writes block, as when the client stops reading."""
+
+    def __init__(self, blocked_after: int) -> None:
+        self.written: list[str] = []
+        self.blocked_after = blocked_after
+
+    async def write(self, msg: str) -> None:
+        self.written.append(msg)
+        if len(self.written) >= self.blocked_after:
+            await asyncio.Event().wait()
+
+
+@pytest.mark.parametrize("blocked_after", [1, 3])
+def test_cancel_during_a_write_reaches_the_replica_request(blocked_after):
+    async def scenario() -> FakeReplicaRequest:
+        replica = FakeReplicaRequest()
+        handle = cancel_safe(proxy_like_handler(replica, messages=100))
+        task = asyncio.create_task(handle(None, SlowWriter(blocked_after)))
+        await asyncio.sleep(0.05)  # the handler is now stuck in write
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.01)
+        return replica
+
+    assert asyncio.run(scenario()).cancelled
+
+
+def test_the_unguarded_handler_loses_that_cancel():
+    """Documents the upstream bug the guard exists for: the same cancel, no guard."""
+
+    async def scenario() -> FakeReplicaRequest:
+        replica = FakeReplicaRequest()
+        context = SlowWriter(blocked_after=2)
+        stream = proxy_like_handler(replica, messages=100)(None, context)
+
+        async def unguarded() -> None:  # how grpc drives an async-generator handler
+            async for msg in stream:
+                await context.write(msg)
+
+        task = asyncio.create_task(unguarded())
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await stream.aclose()
+        return replica
+
+    assert not asyncio.run(scenario()).cancelled
+
+
+def test_a_finished_stream_is_written_in_full_and_unary_handlers_pass_through():
+    async def scenario() -> list[str]:
+        context = SlowWriter(blocked_after=10**6)
+        await cancel_safe(proxy_like_handler(FakeReplicaRequest(), messages=5))(None, context)
+        return context.written
+
+    assert asyncio.run(scenario()) == [f"msg{i}" for i in range(5)]
+
+    async def unary(request, context):
+        return b"ok"
+
+    made = _cancel_safe_factory(lambda **kwargs: unary)(service_method="/m", streaming_type=0)
+    assert made is unary
