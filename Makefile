@@ -9,7 +9,9 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(EXTRAS)
 PROMPT ?= Explain in two sentences what a KV cache is.
 
-.PHONY: install run test lint bench proto clean
+GRPC_PORT ?= 50051
+
+.PHONY: install run generate test lint bench proto clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -21,7 +23,10 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
-run: $(STAMP)  ## generate text with the default model, in-process
+run: $(STAMP)  ## serve the default model (one replica) on Ray Serve + gRPC until Ctrl-C
+	$(BIN)/kvserve up --replicas 1 --grpc-port $(GRPC_PORT)
+
+generate: $(STAMP)  ## generate text with the default model, in-process
 	$(BIN)/kvserve generate --chat "$(PROMPT)" --max-tokens 96
 
 lint: $(STAMP)

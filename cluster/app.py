@@ -32,28 +32,39 @@ class AppConfig(BaseModel):
     replicas: int = Field(1, ge=1)  # fixed replica count, unless `autoscaling` is set
     autoscaling: Autoscaling | None = None
     max_ongoing_requests: int = Field(256, ge=1)  # enough to fill continuous batches
+    # Serve's queue in front of the replicas; past it the proxy answers RESOURCE_EXHAUSTED
+    max_queued_requests: int = Field(-1, ge=-1)  # -1: unbounded
+    # on shutdown Serve waits this long for running streams, then ends them UNAVAILABLE
+    graceful_shutdown_timeout_s: float = Field(20.0, ge=0)
     num_cpus_per_replica: float = Field(1.0, gt=0)
     num_gpus_per_replica: float = Field(0.0, ge=0)  # 1 on GPU nodes
     kv_cache_memory: str | int | None = "1GiB"
     max_num_seqs: int = Field(64, ge=1)
     max_num_batched_tokens: int = Field(512, ge=1)
+    # each replica's admission queue; past it Generate answers RESOURCE_EXHAUSTED
+    max_waiting_requests: int = Field(1024, ge=1)
+    stream_coalesce_ms: float = Field(0.0, ge=0)  # >0: merge tokens made within it per message
 
     def engine_config(self) -> dict[str, Any]:
         return {"model": self.model, "kv_cache_memory": self.kv_cache_memory,
                 "max_num_seqs": self.max_num_seqs,
-                "max_num_batched_tokens": self.max_num_batched_tokens}
+                "max_num_batched_tokens": self.max_num_batched_tokens,
+                "max_waiting_requests": self.max_waiting_requests}
 
 
 def build_app(args: dict[str, Any] | AppConfig) -> Application:
     config = args if isinstance(args, AppConfig) else AppConfig.model_validate(args)
     scaling: dict[str, Any] = {"num_replicas": config.replicas}
+    actor_options: dict[str, Any] = {"num_cpus": config.num_cpus_per_replica,
+                                     "num_gpus": config.num_gpus_per_replica}
     if config.autoscaling is not None:
         scaling = {"num_replicas": "auto", "autoscaling_config": config.autoscaling.model_dump()}
     deployment = GenerationDeployment.options(
         **scaling,
         max_ongoing_requests=config.max_ongoing_requests,
-        ray_actor_options={"num_cpus": config.num_cpus_per_replica,
-                           "num_gpus": config.num_gpus_per_replica},
+        max_queued_requests=config.max_queued_requests,
+        graceful_shutdown_timeout_s=config.graceful_shutdown_timeout_s,
+        ray_actor_options=actor_options,
     )
     replicas = config.autoscaling.max_replicas if config.autoscaling else config.replicas
-    return deployment.bind(config.engine_config(), replicas)
+    return deployment.bind(config.engine_config(), replicas, config.stream_coalesce_ms)

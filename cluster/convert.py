@@ -8,7 +8,7 @@ import grpc
 from google.protobuf import struct_pb2
 
 from kvserve.v1 import generation_pb2 as pb
-from workers.errors import InvalidRequestError
+from workers.errors import EngineShutdownError, InvalidRequestError, QueueFullError
 from workers.outputs import RequestOutput
 
 _OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
@@ -76,6 +76,8 @@ def struct(values: dict[str, Any]) -> struct_pb2.Struct:
 
 def status_code(exc: BaseException) -> grpc.StatusCode:
     """The gRPC status for an error raised while serving a request."""
-    if isinstance(exc, InvalidRequestError):
-        return grpc.StatusCode.INVALID_ARGUMENT
-    return grpc.StatusCode.INTERNAL
+    codes = {InvalidRequestError: grpc.StatusCode.INVALID_ARGUMENT,
+             QueueFullError: grpc.StatusCode.RESOURCE_EXHAUSTED,
+             EngineShutdownError: grpc.StatusCode.UNAVAILABLE}
+    return next((code for kind, code in codes.items() if isinstance(exc, kind)),
+                grpc.StatusCode.INTERNAL)

@@ -11,6 +11,9 @@ The fix here: each streaming handler the proxy builds is driven by a pump task t
 ever suspended inside the proxy's own `__anext__`, so cancelling the pump always lands where
 the proxy cancels the replica request. This module is named in `grpc_servicer_functions` and
 so runs inside the proxy actor.
+
+Also, a stream whose replica died under it (killed, or stopped by a shutdown past its graceful
+wait) ends UNAVAILABLE, the retryable code, where Ray reports INTERNAL.
 """
 
 from __future__ import annotations
@@ -21,10 +24,13 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import grpc
+
 from kvserve.v1.generation_pb2_grpc import add_GenerationServicer_to_server
 
 logger = logging.getLogger(__name__)
 _END = object()
+_REPLICA_DIED = ("actor died", "actor is dead")  # Ray's words for an ActorDiedError
 
 
 def add_generation_servicer(servicer: Any, server: Any) -> None:
@@ -58,8 +64,15 @@ def cancel_safe(handler: Callable[..., AsyncIterator[Any]]) -> Callable[..., Any
         finally:
             pump.cancel()
         await pump  # surfaces an error the generator raised
+        _replica_death_is_unavailable(context)
 
     return handle
+
+
+def _replica_death_is_unavailable(context: Any) -> None:
+    details = (context.details() or "").lower()
+    if context.code() == grpc.StatusCode.INTERNAL and any(s in details for s in _REPLICA_DIED):
+        context.set_code(grpc.StatusCode.UNAVAILABLE)
 
 
 async def _pump(stream: AsyncIterator[Any], queue: asyncio.Queue[Any]) -> None:

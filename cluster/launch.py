@@ -51,3 +51,69 @@ def serve_until_interrupted(config_path: str | None, overrides: dict[str, Any],
     serve.shutdown()
     ray.shutdown()
     return 0
+
+
+def deploy_detached(config_path: str | None, overrides: dict[str, Any], grpc_port: int) -> int:
+    """`kvserve up --detach`: deploy onto RAY_ADDRESS's cluster, or onto a Ray head started here
+    as its own process, record it (cluster/local_head.py) and return; `kvserve down` stops it."""
+    import sys
+
+    from cluster import local_head
+
+    config = load_config(config_path, overrides)
+    address = os.environ.get("RAY_ADDRESS") or None
+    previous = local_head.read_state()
+    if previous is not None and previous.head_alive():
+        print(f"kvserve: already up (Ray head at {previous.address}, gRPC at "
+              f"127.0.0.1:{previous.grpc_port}); stop it first with: kvserve down",
+              file=sys.stderr)
+        return 1
+    if address is None:
+        replicas = config.autoscaling.max_replicas if config.autoscaling else config.replicas
+        cpus = local_head.num_cpus_for(replicas * config.num_cpus_per_replica)
+        state = local_head.start_head(cpus)
+    else:
+        state = local_head.UpState(address=address, started_head=False, grpc_port=grpc_port)
+    state.grpc_port = grpc_port
+    try:
+        dashboard = _deploy(config, state, grpc_port)
+    except BaseException as exc:
+        if state.started_head:
+            local_head.stop_head(state.head_pid, state.temp_dir)
+        if isinstance(exc, Exception):
+            print(f"kvserve: deployment failed: {exc}", file=sys.stderr)
+            return 1
+        raise
+    state.dashboard_url = state.dashboard_url or dashboard
+    local_head.write_state(state)
+    print(f"kvserve: serving {config.model or 'SmolLM2-135M-Instruct'} with "
+          f"{config.replicas} replica(s) on the Ray cluster at {state.address}"
+          f"{' (started by kvserve)' if state.started_head else ''}", flush=True)
+    print(f"kvserve: gRPC at 127.0.0.1:{grpc_port} (metadata application={APP_NAME})", flush=True)
+    if state.dashboard_url:
+        print(f"kvserve: Ray dashboard at {state.dashboard_url}", flush=True)
+    print("kvserve: check with: kvserve status; stop with: kvserve down", flush=True)
+    return 0
+
+
+def _deploy(config: AppConfig, state: Any, grpc_port: int) -> str | None:
+    import ray
+    from ray import serve
+    from ray.serve.config import gRPCOptions
+
+    from cluster.local_head import apply_env, free_port
+
+    apply_env(state.env)
+    context = ray.init(address=state.address, log_to_driver=False)
+    try:
+        serve.start(
+            grpc_options=gRPCOptions(port=grpc_port,
+                                     grpc_servicer_functions=GRPC_SERVICER_FUNCTIONS),
+            # HTTP is unused (gRPC only): a free loopback port, not 8000 shared with others
+            http_options={"host": "127.0.0.1", "port": free_port()},
+        )
+        serve.run(build_app(config), name=APP_NAME, blocking=False)
+        url = getattr(context, "dashboard_url", None)
+        return f"http://{url}" if url else None
+    finally:
+        ray.shutdown()

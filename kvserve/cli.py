@@ -28,6 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(title="commands")
     _add_generate(sub)
     _add_up(sub)
+    _add_down(sub)
+    _add_status(sub)
     _add_bench(sub)
     return parser
 
@@ -141,13 +143,20 @@ def _finish_name(code: int) -> str:
 def _add_up(sub) -> None:
     p = sub.add_parser(
         "up", help="start a local Ray cluster (or join RAY_ADDRESS) and serve over gRPC",
-        description="Deploy kvserve on Ray Serve and serve gRPC until Ctrl-C.")
+        description="Deploy kvserve on Ray Serve and serve gRPC until Ctrl-C. Without "
+                    "RAY_ADDRESS a local Ray cluster is started; with it, that cluster is "
+                    "joined. --detach deploys, prints the addresses and returns; then use "
+                    "`kvserve status` and `kvserve down`.")
     p.add_argument("--replicas", type=int, default=None, help="replicas (default 1)")
     p.add_argument("--model", default=None, help="model for every replica")
     p.add_argument("--grpc-port", type=int, default=50051)
     p.add_argument("--kv-cache-memory", default=None, help="KV pool per replica, e.g. 1GiB")
     p.add_argument("--config", default=None,
                    help="YAML of AppConfig fields, or a Serve config like infra/serve/cpu.yaml")
+    p.add_argument("--detach", action="store_true",
+                   help="deploy and exit, leaving the service running (a local Ray head is "
+                        "started as its own process unless RAY_ADDRESS is set); stop it with "
+                        "`kvserve down`")
     p.set_defaults(run=_run_up)
 
 
@@ -156,7 +165,46 @@ def _run_up(args: argparse.Namespace) -> int:
 
     overrides = {"replicas": args.replicas, "model": args.model,
                  "kv_cache_memory": args.kv_cache_memory}
+    if args.detach:
+        from cluster.launch import deploy_detached
+
+        return deploy_detached(args.config, overrides, args.grpc_port)
     return serve_until_interrupted(args.config, overrides, args.grpc_port)
+
+
+_ADDRESS_HELP = ("Ray cluster address (default: RAY_ADDRESS, else the cluster `kvserve up "
+                 "--detach` started, else the last `ray start` on this machine)")
+
+
+def _add_down(sub) -> None:
+    p = sub.add_parser(
+        "down", help="stop a detached deployment (`kvserve up --detach`)",
+        description="Delete the kvserve application from Ray Serve; if `kvserve up --detach` "
+                    "started the Ray head, stop that head too (only its own processes). "
+                    "Exits 1 when nothing is running.")
+    p.add_argument("--address", default=None, help=_ADDRESS_HELP)
+    p.set_defaults(run=lambda args: _status_cli().down(args.address))
+
+
+def _add_status(sub) -> None:
+    p = sub.add_parser(
+        "status", help="replicas, their state, running/waiting requests and KV usage",
+        description="Show the kvserve application's state, its replicas by state and, per "
+                    "replica, its pid, state, running and waiting requests and KV-cache usage "
+                    "(published by each replica every second). Exits 1 when nothing is "
+                    "deployed.")
+    p.add_argument("--address", default=None, help=_ADDRESS_HELP)
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object: application, status, deployments (status, "
+                        "replica_states), replicas (replica_id, pid, state, running, waiting, "
+                        "kv_cache_usage, ...)")
+    p.set_defaults(run=lambda args: _status_cli().status(args.address, args.json))
+
+
+def _status_cli():
+    from cluster import status_cli
+
+    return status_cli
 
 
 async def _stream(config: EngineConfig, prompt: dict, params: dict, echo: bool) -> dict:
@@ -200,6 +248,7 @@ def _add_bench(sub) -> None:
     t.add_argument("--json", action="store_true", help="print one JSON object")
     add_engine_args(t)
     t.set_defaults(run=_run_bench_throughput)
+    _add_bench_serve(bench)
 
 
 def _run_bench_throughput(args: argparse.Namespace) -> int:
@@ -211,4 +260,63 @@ def _run_bench_throughput(args: argparse.Namespace) -> int:
         skip_hf=args.skip_hf, progress=not args.json,
     )
     print(json.dumps(report, indent=2) if args.json else report["summary"])
+    return 0
+
+
+def _add_bench_serve(bench) -> None:
+    s = bench.add_parser(
+        "serve",
+        help="a running service over gRPC vs the in-process engine: tok/s, TTFT, ITL",
+        description="Drive a running kvserve service (e.g. `kvserve up`) over gRPC with N greedy "
+                    "requests (random prompt token ids, ignore_eos, exactly --output-len tokens "
+                    "each) at each concurrency level, then run the same workload on an "
+                    "in-process engine built like a replica (model from the ModelInfo RPC). "
+                    "Prints output tokens/s of both and their ratio (service/engine), time to "
+                    "first token and inter-token latency (p50/p99, ms) per level.",
+    )
+    s.add_argument("--target", required=True, metavar="HOST:PORT",
+                   help="gRPC address of the service, e.g. 127.0.0.1:50051")
+    s.add_argument("--concurrency", type=_int_list, default=[1, 8, 32], metavar="N,N,...",
+                   help="streams in flight at once, one level each (default 1,8,32)")
+    s.add_argument("--requests", type=int, default=64, help="requests per level (default 64)")
+    s.add_argument("--prompt-len", type=int, default=128, help="prompt tokens (default 128)")
+    s.add_argument("--output-len", type=int, default=128, help="output tokens (default 128)")
+    s.add_argument("--engine-threads", type=int, default=1,
+                   help="torch threads of the in-process engine; match the replica's CPUs "
+                        "(Ray gives a replica num_cpus_per_replica threads, 1 by default); "
+                        "0: torch's default")
+    s.add_argument("--skip-engine", action="store_true",
+                   help="only measure the service (no in-process engine, no ratio)")
+    s.add_argument("--json", action="store_true",
+                   help="print one JSON object: levels (concurrency, service_tok_s, engine_tok_s, "
+                        "ratio, ttft_p50_ms, ttft_p99_ms, itl_p50_ms, itl_p99_ms, ...) and config")
+    s.set_defaults(run=_run_bench_serve)
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not a comma-separated list of integers: {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"need positive integers, got {text!r}")
+    return values
+
+
+def _run_bench_serve(args: argparse.Namespace) -> int:
+    import grpc
+
+    from cluster.bench_serve import run_serve_bench, summarize
+
+    try:
+        report = run_serve_bench(
+            args.target, concurrency=args.concurrency, requests=args.requests,
+            prompt_len=args.prompt_len, output_len=args.output_len,
+            skip_engine=args.skip_engine, engine_threads=args.engine_threads,
+            progress=not args.json)
+    except grpc.RpcError as exc:
+        print(f"kvserve: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    print(json.dumps(report.to_dict(), indent=2) if args.json else summarize(report))
     return 0

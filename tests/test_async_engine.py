@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from tests.helpers import assert_engine_idle
 from workers.async_engine import AsyncLLMEngine
 
@@ -89,5 +91,59 @@ def test_cancelling_or_leaving_the_stream_aborts_the_request(make_tiny_engine):
         await asyncio.sleep(0.2)
         assert_engine_idle(core)
         await engine.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_a_full_admission_queue_rejects_new_requests_and_leaves_the_others_alone(
+    make_tiny_engine,
+):
+    from workers.errors import QueueFullError
+
+    core = make_tiny_engine(max_num_seqs=1, max_waiting_requests=2)
+    params = {"max_tokens": 8, "ignore_eos": True}
+
+    async def scenario() -> None:
+        engine = AsyncLLMEngine(core)
+        streams = [engine.generate(prompt_token_ids=[10 + i, 11, 12], params=params)
+                   for i in range(3)]
+        firsts = [await anext(streams[0])]  # one running (max_num_seqs=1) ...
+        firsts += [asyncio.create_task(anext(s)) for s in streams[1:]]  # ... and two waiting
+        await asyncio.sleep(0)
+        with pytest.raises(QueueFullError, match="max_waiting_requests=2") as err:
+            await anext(engine.generate(prompt_token_ids=[5, 6], params=params))
+        assert (err.value.waiting, err.value.limit) == (2, 2)
+        await asyncio.gather(*firsts[1:])
+        rest = [[o async for o in s] for s in streams]
+        assert all(r[-1].finish_reason == "length" for r in rest)
+        assert_engine_idle(core)
+        await engine.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_shutdown_ends_open_streams_with_an_error_and_refuses_new_requests(make_tiny_engine):
+    from workers.errors import EngineShutdownError
+
+    core = make_tiny_engine(max_num_seqs=1)
+    params = {"max_tokens": 500, "ignore_eos": True}
+
+    async def scenario() -> None:
+        engine = AsyncLLMEngine(core)
+        running = engine.generate(prompt_token_ids=[10, 11, 12], params=params)
+        waiting = engine.generate(prompt_token_ids=[20, 21], params=params)
+        await anext(running)
+        waiting_first = asyncio.create_task(anext(waiting))
+        await asyncio.sleep(0)
+        await engine.shutdown()
+        for stream_next in (anext(running), waiting_first):
+            with pytest.raises(EngineShutdownError):
+                while True:  # outputs produced before shutdown may come first
+                    await stream_next
+                    stream_next = anext(running)
+        with pytest.raises(EngineShutdownError):
+            await anext(engine.generate(prompt_token_ids=[1, 2], params=params))
+        assert_engine_idle(core)
+        await engine.shutdown()  # idempotent
 
     asyncio.run(scenario())

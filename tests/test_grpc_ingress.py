@@ -38,9 +38,19 @@ def proxy_like_handler(replica: FakeReplicaRequest, messages: int):
 class SlowWriter:
     """A grpc context whose writes block, as when the client stops reading."""
 
-    def __init__(self, blocked_after: int) -> None:
+    def __init__(self, blocked_after: int, code=None, details: str = "") -> None:
         self.written: list[str] = []
         self.blocked_after = blocked_after
+        self._code, self._details = code, details
+
+    def code(self):
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+    def set_code(self, code) -> None:
+        self._code = code
 
     async def write(self, msg: str) -> None:
         self.written.append(msg)
@@ -100,3 +110,16 @@ def test_a_finished_stream_is_written_in_full_and_unary_handlers_pass_through():
 
     made = _cancel_safe_factory(lambda **kwargs: unary)(service_method="/m", streaming_type=0)
     assert made is unary
+
+
+@pytest.mark.parametrize(("code", "details", "expected"), [
+    ("INTERNAL", "The actor died unexpectedly before finishing this task.", "UNAVAILABLE"),
+    ("INTERNAL", "something else broke", "INTERNAL"),
+    ("INVALID_ARGUMENT", "top_p: must be in (0, 1]", "INVALID_ARGUMENT"),
+])
+def test_a_stream_whose_replica_died_ends_unavailable(code, details, expected):
+    import grpc
+
+    context = SlowWriter(10**6, getattr(grpc.StatusCode, code), details)
+    asyncio.run(cancel_safe(proxy_like_handler(FakeReplicaRequest(), messages=2))(None, context))
+    assert context.code() == getattr(grpc.StatusCode, expected)

@@ -122,3 +122,4 @@ def test_model_info_and_tokenize(real_engine):
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
     serve(real_engine, scenario)
+

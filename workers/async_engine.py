@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from workers.engine import LLMEngine
-from workers.errors import InvalidRequestError
+from workers.errors import EngineShutdownError, InvalidRequestError, QueueFullError
 from workers.outputs import RequestOutput
 from workers.sampling_params import SamplingParams
 from workers.sequence import Sequence
@@ -29,6 +29,7 @@ class AsyncLLMEngine:
         self._wake = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-step")
         self._loop_task: asyncio.Task | None = None
+        self._closed = False
 
     async def generate(
         self, *, prompt: str | None = None, prompt_token_ids: list[int] | None = None,
@@ -37,9 +38,12 @@ class AsyncLLMEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; the last one carries finish_reason and usage.
 
-        Raises InvalidRequestError on bad input. Leaving the iteration early (break, cancel)
-        aborts the request and frees its KV blocks.
+        Raises InvalidRequestError on bad input, QueueFullError when `max_waiting_requests`
+        are already waiting, EngineShutdownError once shutdown began (also to open streams).
+        Leaving the iteration early (break, cancel) aborts the request and frees its KV blocks.
         """
+        if self._closed:
+            raise EngineShutdownError()
         seq = self.engine.make_sequence(
             prompt=prompt, prompt_token_ids=prompt_token_ids, messages=messages,
             params=params, request_id=request_id,
@@ -61,6 +65,9 @@ class AsyncLLMEngine:
     def _open(self, seq: Sequence) -> asyncio.Queue:
         if seq.request_id in self._streams or seq.request_id in self.engine.requests:
             raise InvalidRequestError("request_id", f"{seq.request_id!r} is already running")
+        waiting = len(self.engine.scheduler.waiting) + len(self._new)
+        if waiting >= self.engine.config.max_waiting_requests:
+            raise QueueFullError(waiting, self.engine.config.max_waiting_requests)
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[seq.request_id] = stream
         self._new.append(seq)
@@ -117,11 +124,23 @@ class AsyncLLMEngine:
             stream.put_nowait(exc)
 
     async def shutdown(self) -> None:
-        for request_id in list(self.engine.requests):
-            self._abort_later(request_id)
+        """Stop serving: new requests and every open stream get EngineShutdownError, and every
+        request's KV blocks are freed. The step in flight (if any) completes first. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
         if self._loop_task is not None:
-            self._apply_pending()
             self._loop_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._loop_task
+        await asyncio.get_running_loop().run_in_executor(self._executor, _no_op)
+        self._new.clear()
+        self._aborts.clear()
+        self._fail_all(EngineShutdownError())
+        for request_id in list(self.engine.requests):
+            self.engine.abort(request_id)
         self._executor.shutdown(wait=True)
+
+
+def _no_op() -> None:
+    """Queued behind the step in flight on the single step thread: awaiting it waits for it."""

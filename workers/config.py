@@ -33,6 +33,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # exact pool size in blocks, overriding the memory budget
     max_num_seqs: int = 64  # sequences per step
     max_num_batched_tokens: int = 512  # token budget per step (chunked prefill beyond it)
+    max_waiting_requests: int = 1024  # admission queue bound of the async engine
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     rope_parameters: dict[str, Any] | None = None  # override, transformers' rope_parameters keys
     num_threads: int | None = None  # CPU torch threads; None: torch's default
@@ -40,7 +41,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_size(self.kv_cache_memory)
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting_requests"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
         if self.block_size is not None and self.block_size <= 0:

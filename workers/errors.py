@@ -1,4 +1,4 @@
-"""The one error type the engine raises for bad input."""
+"""The errors the engine raises to its callers; each front end maps them to a status."""
 
 
 class InvalidRequestError(ValueError):
@@ -15,3 +15,26 @@ class InvalidRequestError(ValueError):
 
     def __reduce__(self):  # picklable across processes (Ray replicas raise it to the proxy)
         return type(self), (self.field, self.message)
+
+
+class QueueFullError(RuntimeError):
+    """The admission queue is full: retry later or elsewhere (gRPC ``RESOURCE_EXHAUSTED``)."""
+
+    def __init__(self, waiting: int, limit: int) -> None:
+        super().__init__(f"admission queue full: {waiting} requests waiting "
+                         f"(max_waiting_requests={limit}); retry later")
+        self.waiting = waiting
+        self.limit = limit
+
+    def __reduce__(self):
+        return type(self), (self.waiting, self.limit)
+
+
+class EngineShutdownError(RuntimeError):
+    """The engine is shutting down: no new requests, running ones end (gRPC ``UNAVAILABLE``)."""
+
+    def __init__(self, message: str = "engine is shutting down; retry on another replica") -> None:
+        super().__init__(message)
+
+    def __reduce__(self):
+        return type(self), (str(self),)

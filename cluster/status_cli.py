@@ -1,0 +1,180 @@
+"""`kvserve status` and `kvserve down`: inspect or stop a deployment on a running Ray cluster.
+
+Which cluster: `--address`, else RAY_ADDRESS, else the one `kvserve up --detach` recorded, else
+the last one `ray start` recorded on this machine. Never "any Ray process found on this host":
+that could be somebody else's cluster.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any
+
+from cluster import local_head, replica_status
+
+APP_NAME = "kvserve"
+
+
+class NothingRunning(Exception):
+    pass
+
+
+def _target(address: str | None) -> tuple[str, local_head.UpState | None]:
+    state = local_head.read_state()
+    if state is not None and state.started_head and not state.head_alive():
+        local_head.remove_state()  # the head we started is gone (reboot, killed): forget it
+        state = None
+    explicit = address or os.environ.get("RAY_ADDRESS") or None
+    if explicit and explicit != "auto":
+        recorded = state if state is not None and state.address == explicit else None
+        return explicit, recorded
+    if state is not None:
+        return state.address, state
+    from ray._private.services import find_bootstrap_address  # what `ray start` recorded
+
+    found = find_bootstrap_address(None)
+    if not found:
+        raise NothingRunning("no Ray cluster to talk to (none started by `kvserve up --detach`, "
+                             "RAY_ADDRESS unset); start one with: kvserve up --detach")
+    return found, None
+
+
+def _connect(address: str | None) -> tuple[str, local_head.UpState | None]:
+    target, state = _target(address)
+    if not local_head.reachable(target):
+        raise NothingRunning(f"no Ray cluster at {target}")
+    local_head.apply_env(state.env if state else None)
+    import ray
+
+    try:
+        ray.init(address=target, log_to_driver=False, logging_level="ERROR")
+    except (ConnectionError, RuntimeError) as exc:
+        raise NothingRunning(f"cannot connect to the Ray cluster at {target}: {exc}") from exc
+    return target, state
+
+
+# -- status --------------------------------------------------------------------------------
+def collect_status(app_name: str = APP_NAME) -> dict[str, Any] | None:
+    """The application's state, its deployments' replica counts by state and one row per
+    replica Serve lists, with the replica's published running / waiting / KV usage (None while
+    it has no fresh row). None when the application is not deployed."""
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ServeInstanceDetails
+
+    client = _get_global_client(raise_if_no_controller_running=False)
+    if client is None:
+        return None
+    details = ServeInstanceDetails(**client.get_serve_details())
+    app = details.applications.get(app_name)
+    if app is None:
+        return None
+    live = [r for d in app.deployments.values() for r in d.replicas]
+    rows = replica_status.read_current(live_ids=[r.replica_id for r in live])
+    deployments, replicas = {}, []
+    for name, dep in app.deployments.items():
+        counts: dict[str, int] = {}
+        for r in dep.replicas:
+            counts[str(r.state.value)] = counts.get(str(r.state.value), 0) + 1
+        deployments[name] = {"status": str(dep.status.value), "message": dep.message,
+                             "target_replicas": dep.target_num_replicas,
+                             "replica_states": counts}
+        for r in dep.replicas:
+            row = rows.get(r.replica_id)
+            replicas.append({
+                "replica_id": r.replica_id, "deployment": name, "state": str(r.state.value),
+                "pid": r.pid, "node_ip": r.node_ip,
+                "running": row.running if row else None, "waiting": row.waiting if row else None,
+                "kv_cache_usage": row.kv_cache_usage if row else None,
+                "updated_at": row.updated_at if row else None,
+            })
+    grpc = details.grpc_options
+    return {"application": app_name, "status": str(app.status.value), "message": app.message,
+            "grpc_port": getattr(grpc, "port", None), "deployments": deployments,
+            "replicas": replicas}
+
+
+def status(address: str | None, as_json: bool) -> int:
+    try:
+        target, state = _connect(address)
+    except NothingRunning as exc:
+        print(f"kvserve: nothing deployed: {exc}", file=sys.stderr)
+        return 1
+    import ray
+
+    try:
+        report = collect_status()
+    finally:
+        ray.shutdown()
+    if report is None:
+        print(f"kvserve: nothing deployed: no '{APP_NAME}' application on the Ray cluster at "
+              f"{target}", file=sys.stderr)
+        return 1
+    report["ray_address"] = target
+    if state is not None and state.dashboard_url:
+        report["dashboard_url"] = state.dashboard_url
+    print(json.dumps(report, indent=2) if as_json else format_status(report))
+    return 0
+
+
+def format_status(report: dict[str, Any]) -> str:
+    lines = [f"application {report['application']}: {report['status']}"
+             f"{' - ' + report['message'] if report['message'] else ''}",
+             f"  Ray {report.get('ray_address', '?')}, gRPC port {report.get('grpc_port')}"
+             + (f", dashboard {report['dashboard_url']}" if report.get("dashboard_url") else "")]
+    for name, dep in report["deployments"].items():
+        counts = ", ".join(f"{k}={v}" for k, v in sorted(dep["replica_states"].items()))
+        lines.append(f"deployment {name}: {dep['status']} ({counts or 'no replicas'}; "
+                     f"target {dep['target_replicas']})")
+    header = ("REPLICA", "PID", "STATE", "RUNNING", "WAITING", "KV %")
+    table = [header] + [(
+        r["replica_id"], str(r["pid"] or "-"), r["state"], _or_dash(r["running"]),
+        _or_dash(r["waiting"]),
+        "-" if r["kv_cache_usage"] is None else f"{100 * r['kv_cache_usage']:.1f}",
+    ) for r in report["replicas"]]
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    lines.append("")
+    lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+              for row in table]
+    return "\n".join(lines)
+
+
+def _or_dash(value: Any) -> str:
+    return "-" if value is None else str(value)
+
+
+# -- down ----------------------------------------------------------------------------------
+def down(address: str | None) -> int:
+    try:
+        target, state = _connect(address)
+    except NothingRunning as exc:
+        print(f"kvserve: nothing running: {exc}", file=sys.stderr)
+        return 1
+    import ray
+    from ray import serve
+
+    stop_head = state is not None and state.started_head
+    try:
+        deleted = APP_NAME in serve.status().applications
+        if deleted:
+            serve.delete(APP_NAME)
+            print(f"kvserve: deleted the '{APP_NAME}' application", flush=True)
+        replica_status.delete_all()
+        if stop_head:
+            serve.shutdown()  # before the head goes: nothing left to drain
+    finally:
+        ray.shutdown()
+    if stop_head:
+        start = time.monotonic()
+        local_head.stop_head(state.head_pid, state.temp_dir)
+        print(f"kvserve: stopped the Ray head at {target} that kvserve started "
+              f"({time.monotonic() - start:.1f} s)", flush=True)
+    if state is not None:
+        local_head.remove_state()
+    if not deleted and not stop_head:
+        print(f"kvserve: nothing running: no '{APP_NAME}' application on the Ray cluster at "
+              f"{target}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,89 @@
+"""`kvserve up --detach` -> `kvserve status` -> `kvserve generate --target` -> `kvserve down`, each
+a subprocess as users run them, on a Ray head that `up --detach` starts and `down` stops."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+from cluster import local_head
+from tests.serving import free_port
+from tests.test_cli import KVSERVE
+
+
+def test_up_detach_status_generate_down(model_dir, tmp_path, monkeypatch):
+    # a private cache dir (the state file lives there), holding the already-converted model
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / model_dir.name).symlink_to(model_dir, target_is_directory=True)
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["KVSERVE_CACHE_DIR"] = str(cache)
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(cache))  # local_head.read_state() below
+
+    def kvserve(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+        return subprocess.run([*KVSERVE, *args], capture_output=True, text=True, env=env,
+                              timeout=timeout)
+
+    port = free_port()
+    try:
+        up = kvserve("up", "--detach", "--grpc-port", str(port), "--kv-cache-memory", "256MiB")
+        assert up.returncode == 0, up.stdout + up.stderr
+        assert f"127.0.0.1:{port}" in up.stdout
+        assert "dashboard at http://127.0.0.1:" in up.stdout
+        assert "kvserve down" in up.stdout
+        state = local_head.read_state()
+        assert state is not None and state.started_head and state.head_alive()
+
+        again = kvserve("up", "--detach", "--grpc-port", str(free_port()))
+        assert again.returncode == 1 and "already up" in again.stderr
+
+        out = kvserve("status", "--json")
+        assert out.returncode == 0, out.stderr
+        report = json.loads(out.stdout)
+        assert report["application"] == "kvserve" and report["status"] == "RUNNING"
+        assert report["grpc_port"] == port
+        assert report["deployments"]["Generation"]["replica_states"] == {"RUNNING": 1}
+        [replica] = report["replicas"]
+        assert replica["state"] == "RUNNING" and replica["pid"] > 0
+        assert replica["running"] == 0 and replica["waiting"] == 0
+        assert 0.0 <= replica["kv_cache_usage"] <= 1.0
+
+        gen = kvserve("generate", "--target", f"127.0.0.1:{port}", "Hello", "--max-tokens", "4",
+                      "--json")
+        assert gen.returncode == 0, gen.stderr
+        result = json.loads(gen.stdout)
+        assert len(result["token_ids"]) == 4 and result["finish_reason"] == "length"
+
+        table = kvserve("status")
+        assert table.returncode == 0, table.stderr
+        assert replica["replica_id"] in table.stdout and "KV %" in table.stdout
+
+        down = kvserve("down")
+        assert down.returncode == 0, down.stderr
+        assert "stopped the Ray head" in down.stdout
+        assert local_head.read_state() is None
+        assert not local_head._session_pids(state.head_pid), "Ray processes left behind"
+        assert not os.path.exists(state.temp_dir)
+
+        gone = kvserve("status")
+        assert gone.returncode == 1
+        assert "nothing deployed" in gone.stderr and "Traceback" not in gone.stderr
+        again_down = kvserve("down")
+        assert again_down.returncode == 1 and "nothing running" in again_down.stderr
+    finally:
+        leftover = local_head.read_state()
+        if leftover is not None and leftover.started_head and leftover.head_pid:
+            local_head.stop_head(leftover.head_pid, leftover.temp_dir)
+            local_head.remove_state()
+
+
+def test_help_explains_detach_status_and_down():
+    from tests.test_cli import run
+
+    up = run("up", "--help")
+    assert up.returncode == 0 and "--detach" in up.stdout and "kvserve down" in up.stdout
+    for command in ("status", "down"):
+        out = run(command, "--help")
+        assert out.returncode == 0 and "--address" in out.stdout, out.stderr
+    assert "--json" in run("status", "--help").stdout

@@ -1,0 +1,127 @@
+"""The pure parts of per-replica status: serialisation, staleness filtering, the status table,
+and the `kvserve up --detach` state file. (The Ray side is covered by test_cli_detached.py.)"""
+
+from __future__ import annotations
+
+import json
+
+from cluster import local_head
+from cluster.replica_status import (
+    STALE_AFTER_S,
+    ReplicaStatus,
+    StatusPublisher,
+    current_rows,
+    parse_rows,
+)
+from cluster.status_cli import format_status
+
+
+def row(replica_id: str = "r1", updated_at: float = 1000.0, **kw) -> ReplicaStatus:
+    values = {"pid": 42, "node_ip": "10.0.0.1", "running": 3, "waiting": 1,
+              "kv_cache_usage": 0.25} | kw
+    return ReplicaStatus(replica_id=replica_id, updated_at=updated_at, **values)
+
+
+def test_json_round_trip_keeps_every_field():
+    r = row(kv_cache_usage=0.125)
+    data = r.to_json()
+    assert isinstance(data, bytes)
+    assert ReplicaStatus.from_json(data) == r
+    assert ReplicaStatus.from_json(data.decode()) == r
+    assert set(json.loads(data)) == {"replica_id", "pid", "node_ip", "running", "waiting",
+                                     "kv_cache_usage", "updated_at"}
+
+
+def test_parse_rows_skips_missing_and_malformed_values():
+    good = row("a")
+    values = [good.to_json(), None, b"not json", b'{"replica_id": "x"}', b"[1, 2]",
+              row("b").to_json()]
+    assert [r.replica_id for r in parse_rows(values)] == ["a", "b"]
+
+
+def test_stale_rows_are_dropped():
+    now = 1000.0
+    rows = [row("fresh", now - 0.5), row("edge", now - STALE_AFTER_S),
+            row("stale", now - STALE_AFTER_S - 0.01), row("future", now + 1)]
+    assert set(current_rows(rows, now=now)) == {"fresh", "edge", "future"}
+    assert set(current_rows(rows, now=now, max_age=0.1)) == {"future"}
+
+
+def test_rows_of_replicas_serve_no_longer_lists_are_dropped():
+    rows = [row("live", 999.0), row("dead", 999.5)]
+    assert set(current_rows(rows, now=1000.0, live_ids=["live", "other"])) == {"live"}
+    assert current_rows(rows, now=1000.0, live_ids=[]) == {}
+    assert set(current_rows(rows, now=1000.0)) == {"live", "dead"}  # no Serve list: keep all
+
+
+def test_newest_row_of_a_replica_wins():
+    rows = [row("a", 999.0, running=1), row("a", 999.9, running=7), row("a", 999.5, running=2)]
+    assert current_rows(rows, now=1000.0)["a"].running == 7
+
+
+def test_publisher_snapshot_becomes_a_row():
+    state = {"running": 2, "waiting": 5, "usage": 0.5}
+    pub = StatusPublisher(lambda: (state["running"], state["waiting"], state["usage"]),
+                          replica_id="abc", node_ip="1.2.3.4")
+    first = pub.current()
+    assert (first.replica_id, first.node_ip, first.running, first.waiting,
+            first.kv_cache_usage) == ("abc", "1.2.3.4", 2, 5, 0.5)
+    assert first.pid > 0 and first.updated_at > 0
+    state["running"] = 0
+    assert pub.current().running == 0
+
+
+def test_publisher_survives_a_failing_store(monkeypatch):
+    import cluster.replica_status as rs
+
+    def boom(_row):
+        raise ConnectionError("GCS is down")
+
+    monkeypatch.setattr(rs, "put", boom)
+    pub = StatusPublisher(lambda: (0, 0, 0.0), replica_id="x", node_ip="127.0.0.1")
+    pub.publish_once()
+    pub.publish_once()  # warns once, never raises
+
+
+def test_status_table_shows_every_replica_and_dashes_for_missing_rows():
+    report = {
+        "application": "kvserve", "status": "RUNNING", "message": "", "grpc_port": 50051,
+        "ray_address": "127.0.0.1:6379",
+        "deployments": {"Generation": {"status": "HEALTHY", "message": "", "target_replicas": 2,
+                                       "replica_states": {"RUNNING": 2}}},
+        "replicas": [
+            {"replica_id": "aaaa", "deployment": "Generation", "state": "RUNNING", "pid": 11,
+             "node_ip": "x", "running": 3, "waiting": 0, "kv_cache_usage": 0.1234,
+             "updated_at": 1.0},
+            {"replica_id": "bbbb", "deployment": "Generation", "state": "RUNNING", "pid": 12,
+             "node_ip": "x", "running": None, "waiting": None, "kv_cache_usage": None,
+             "updated_at": None},
+        ],
+    }
+    text = format_status(report)
+    assert "application kvserve: RUNNING" in text
+    assert "deployment Generation: HEALTHY (RUNNING=2; target 2)" in text
+    lines = text.splitlines()
+    header = next(line for line in lines if line.startswith("REPLICA"))
+    assert header.split() == ["REPLICA", "PID", "STATE", "RUNNING", "WAITING", "KV", "%"]
+    a = next(line for line in lines if line.startswith("aaaa")).split()
+    b = next(line for line in lines if line.startswith("bbbb")).split()
+    assert a == ["aaaa", "11", "RUNNING", "3", "0", "12.3"]
+    assert b == ["bbbb", "12", "RUNNING", "-", "-", "-"]
+
+
+def test_up_state_file_round_trip(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    assert local_head.read_state() is None
+    state = local_head.UpState(address="127.0.0.1:1234", started_head=True, grpc_port=50051,
+                               head_pid=2**22 + 1, temp_dir="/tmp/kvserve-ray-x",
+                               env={"RAY_AUTH_MODE": "token"})
+    local_head.write_state(state)
+    assert local_head.state_path() == tmp_path / "cache" / "up.json"
+    assert local_head.read_state() == state
+    assert not state.head_alive()  # no such process
+    local_head.state_path().write_text("{broken")
+    assert local_head.read_state() is None
+    local_head.remove_state()
+    local_head.remove_state()  # idempotent
+    assert local_head.read_state() is None
