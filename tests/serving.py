@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import socket
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -12,6 +11,7 @@ from typing import Any
 import grpc
 
 from cluster.app import GRPC_SERVICER_FUNCTIONS, build_app
+from cluster.local_head import free_port
 from kvserve.v1 import generation_pb2 as pb
 from kvserve.v1 import generation_pb2_grpc as pb_grpc
 
@@ -41,12 +41,6 @@ class Served:
             name, _, labels = head.partition("{")
             families.setdefault(name, []).append((labels, float(value)))
         return families
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
