@@ -43,13 +43,15 @@ class AppConfig(BaseModel):
     max_num_batched_tokens: int = Field(512, ge=1)
     # each replica's admission queue; past it Generate answers RESOURCE_EXHAUSTED
     max_waiting_requests: int = Field(1024, ge=1)
+    enable_prefix_caching: bool = False  # reuse KV blocks of equal prompt prefixes
     stream_coalesce_ms: float = Field(0.0, ge=0)  # >0: merge tokens made within it per message
 
     def engine_config(self) -> dict[str, Any]:
         return {"model": self.model, "kv_cache_memory": self.kv_cache_memory,
                 "max_num_seqs": self.max_num_seqs,
                 "max_num_batched_tokens": self.max_num_batched_tokens,
-                "max_waiting_requests": self.max_waiting_requests}
+                "max_waiting_requests": self.max_waiting_requests,
+                "enable_prefix_caching": self.enable_prefix_caching}
 
 
 def build_app(args: dict[str, Any] | AppConfig) -> Application:

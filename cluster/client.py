@@ -20,10 +20,13 @@ DEFAULT_APPLICATION = "kvserve"
 
 def generate_request(
     prompt: str | None = None, *, prompt_token_ids: list[int] | None = None,
-    messages: list[dict[str, str]] | None = None, request_id: str = "", **params: Any,
+    messages: list[dict[str, str]] | None = None, request_id: str = "", cache_salt: str = "",
+    **params: Any,
 ) -> pb.GenerateRequest:
-    """`params` are SamplingParams fields (max_tokens, temperature, seed, stop, ...)."""
-    request = pb.GenerateRequest(request_id=request_id, params=pb.SamplingParams(**params))
+    """`params` are SamplingParams fields (max_tokens, temperature, seed, stop, ...);
+    `cache_salt` scopes prefix-cache reuse to one tenant."""
+    request = pb.GenerateRequest(request_id=request_id, cache_salt=cache_salt,
+                                 params=pb.SamplingParams(**params))
     if prompt is not None:
         request.prompt = prompt
     if prompt_token_ids is not None:

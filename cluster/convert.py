@@ -23,6 +23,8 @@ def engine_request(request: pb.GenerateRequest) -> dict[str, Any]:
     kwargs |= prompt_input(request)
     if request.request_id:
         kwargs["request_id"] = request.request_id
+    if request.cache_salt:
+        kwargs["cache_salt"] = request.cache_salt
     return kwargs
 
 

@@ -50,6 +50,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=512,
                    help="token budget per step; longer prompts are prefilled in chunks")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "flash_attn"])
+    g.add_argument("--enable-prefix-caching", action="store_true",
+                   help="reuse the KV blocks of equal prompt prefixes across requests")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -58,6 +60,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         attention_backend=args.attention_backend,
+        enable_prefix_caching=args.enable_prefix_caching,
     )
 
 

@@ -35,6 +35,7 @@ class AsyncLLMEngine:
         self, *, prompt: str | None = None, prompt_token_ids: list[int] | None = None,
         messages: list[dict[str, str]] | None = None,
         params: SamplingParams | dict[str, Any] | None = None, request_id: str | None = None,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; the last one carries finish_reason and usage.
 
@@ -46,7 +47,7 @@ class AsyncLLMEngine:
             raise EngineShutdownError()
         seq = self.engine.make_sequence(
             prompt=prompt, prompt_token_ids=prompt_token_ids, messages=messages,
-            params=params, request_id=request_id,
+            params=params, request_id=request_id, cache_salt=cache_salt,
         )
         stream = self._open(seq)
         finished = False

@@ -1,13 +1,15 @@
 """KV block allocation: pure bookkeeping, no tensors.
 
-Every block of the pool is either free or owned by exactly one live sequence. Blocks carry a
-reference count and an optional content hash so that read-only sharing (prefix caching) can be
-added without changing this interface; today a block's count is 0 (free) or 1 (owned).
+A block is free, owned (ref_count > 0: one or more live sequences read it), or, with prefix
+caching, cached: full, hashed, unreferenced and kept in an LRU until its memory is needed.
+Cached blocks count as free space; allocation takes truly free blocks first and only then
+evicts the least recently used cached one.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -16,15 +18,20 @@ class Block:
     block_id: int
     ref_count: int = 0
     block_hash: bytes | None = None  # set once the block is full, for prefix caching
+    token_ids: tuple[int, ...] | None = None  # its tokens, to confirm a hash hit
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
         self.block_size = block_size
+        self.enable_caching = enable_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_ids: deque[int] = deque(range(num_blocks))
+        self.cached: OrderedDict[int, None] = OrderedDict()  # unreferenced, LRU first
+        self.by_hash: dict[bytes, int] = {}
+        self.num_evicted = 0  # cached blocks reclaimed for new allocations
 
     @property
     def num_blocks(self) -> int:
@@ -32,7 +39,8 @@ class BlockManager:
 
     @property
     def num_free(self) -> int:
-        return len(self.free_ids)
+        """Blocks an allocation can take: free ones and evictable cached ones."""
+        return len(self.free_ids) + len(self.cached)
 
     def usage(self) -> float:
         return 1.0 - self.num_free / self.num_blocks
@@ -50,10 +58,23 @@ class BlockManager:
         if needed > self.num_free:
             raise MemoryError(f"need {needed} KV blocks, {self.num_free} free")
         for _ in range(needed):
-            block = self.blocks[self.free_ids.popleft()]
+            block = self.blocks[self._take()]
             assert block.ref_count == 0, f"block {block.block_id} is free but referenced"
             block.ref_count = 1
             block_table.append(block.block_id)
+
+    def _take(self) -> int:
+        if self.free_ids:
+            return self.free_ids.popleft()
+        block_id, _ = self.cached.popitem(last=False)  # evict the least recently used
+        self.num_evicted += 1
+        self._forget(self.blocks[block_id])
+        return block_id
+
+    def _forget(self, block: Block) -> None:
+        if block.block_hash is not None and self.by_hash.get(block.block_hash) == block.block_id:
+            del self.by_hash[block.block_hash]
+        block.block_hash, block.token_ids = None, None
 
     def deallocate(self, block_table: list[int]) -> None:
         """Release every block of `block_table` and empty it."""
@@ -61,7 +82,35 @@ class BlockManager:
             block = self.blocks[block_id]
             assert block.ref_count > 0, f"double free of block {block_id}"
             block.ref_count -= 1
-            if block.ref_count == 0:
-                block.block_hash = None
+            if block.ref_count > 0:
+                continue
+            if self.enable_caching and block.block_hash is not None:
+                self.cached[block_id] = None  # the most recently used end
+            else:
+                self._forget(block)
                 self.free_ids.append(block_id)
         block_table.clear()
+
+    def cache_block(self, block_id: int, block_hash: bytes, token_ids: Sequence[int]) -> None:
+        """Mark a full block reusable under `block_hash` (first writer wins on duplicates)."""
+        if not self.enable_caching or block_hash in self.by_hash:
+            return
+        block = self.blocks[block_id]
+        block.block_hash, block.token_ids = block_hash, tuple(token_ids)
+        self.by_hash[block_hash] = block_id
+
+    def match_prefix(self, hashes: Sequence[bytes], token_ids: Sequence[int]) -> list[int]:
+        """Take a reference on the longest run of cached blocks for `hashes` (token ids
+        confirmed) and return their ids, in order."""
+        matched: list[int] = []
+        for i, h in enumerate(hashes):
+            block_id = self.by_hash.get(h)
+            chunk = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
+            if block_id is None or self.blocks[block_id].token_ids != chunk:
+                break
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.cached[block_id]
+            block.ref_count += 1
+            matched.append(block_id)
+        return matched

@@ -34,6 +34,7 @@ class EngineConfig:
     max_num_seqs: int = 64  # sequences per step
     max_num_batched_tokens: int = 512  # token budget per step (chunked prefill beyond it)
     max_waiting_requests: int = 1024  # admission queue bound of the async engine
+    enable_prefix_caching: bool = False  # reuse cached KV blocks of equal prompt prefixes
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     rope_parameters: dict[str, Any] | None = None  # override, transformers' rope_parameters keys
     num_threads: int | None = None  # CPU torch threads; None: torch's default

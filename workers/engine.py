@@ -75,7 +75,8 @@ class LLMEngine:
         self.runner = ModelRunner(
             self.model, spec, num_blocks, rope, make_backend(backend_name), self.device
         )
-        self.block_manager = BlockManager(num_blocks, block_size)
+        self.block_manager = BlockManager(
+            num_blocks, block_size, enable_caching=_prefix_caching(config, ckpt.config))
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
         )
@@ -110,8 +111,11 @@ class LLMEngine:
         messages: list[dict[str, str]] | None = None,
         params: SamplingParams | dict[str, Any] | None = None,
         request_id: str | None = None,
+        cache_salt: str | None = None,
     ) -> Sequence:
-        """Validation only: builds the sequence without touching the engine's state."""
+        """Validation only: builds the sequence without touching the engine's state.
+
+        `cache_salt` (per tenant) keeps prefix-cache hits within requests that share it."""
         params = _as_params(params)
         params.validate(self.vocab_size)
         ids = to_token_ids(
@@ -127,7 +131,9 @@ class LLMEngine:
             raise InvalidRequestError("request_id", "must be a string")
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         generator = torch.Generator().manual_seed(seed)
-        return Sequence(request_id, ids, params, generator)
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise InvalidRequestError("cache_salt", "must be a string")
+        return Sequence(request_id, ids, params, generator, cache_salt=cache_salt or "")
 
     def enqueue(self, seq: Sequence) -> None:
         if seq.request_id in self.requests:
@@ -179,6 +185,7 @@ class LLMEngine:
         tokens, logprobs = sample(logits, seqs)
         for chunk in scheduled.chunks:  # only once nothing above can fail
             chunk.seq.num_computed_tokens += chunk.num_tokens
+        self.scheduler.cache_full_blocks([c.seq for c in scheduled.chunks])
         return [self._append(s, t, lp) for s, t, lp in zip(seqs, tokens, logprobs, strict=True)]
 
     def _append(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None) -> RequestOutput:
@@ -233,6 +240,12 @@ def _as_params(params: SamplingParams | dict[str, Any] | None) -> SamplingParams
     if not isinstance(params, SamplingParams):
         raise InvalidRequestError("params", f"must be SamplingParams or a dict, not {params!r}")
     return params
+
+
+def _prefix_caching(config: EngineConfig, hf_config) -> bool:
+    """Off for dynamic RoPE: a cached key's rotation depends on the chunk that computed it."""
+    rope_type = (getattr(hf_config, "rope_parameters", None) or {}).get("rope_type", "default")
+    return config.enable_prefix_caching and rope_type != "dynamic"
 
 
 def _max_model_len(config: EngineConfig, hf_config) -> int:

@@ -13,6 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from workers.block_manager import BlockManager
+from workers.prefix_hash import extend_block_hashes
 from workers.sequence import FinishReason, Sequence, SequenceStatus
 
 
@@ -51,6 +52,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.num_preemptions = 0
+        self.prefix_queried_tokens = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hit_tokens = 0  # of which were found cached
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -85,8 +88,11 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if self.blocks.enable_caching and not seq.block_table:
+                self._reuse_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self.blocks.can_allocate(seq.block_table, seq.num_computed_tokens + n):
+                self._release_prefix(seq)
                 break
             self.waiting.popleft()
             self.blocks.allocate(seq.block_table, seq.num_computed_tokens + n)
@@ -94,6 +100,36 @@ class Scheduler:
             self.running.append(seq)
             out.chunks.append(ScheduledChunk(seq, n))
             budget -= n
+
+    def _reuse_prefix(self, seq: Sequence) -> None:
+        """Start `seq` on the longest cached run of its full blocks; its last token is always
+        recomputed (its logits give the next token)."""
+        usable = (seq.num_tokens - 1) // self.blocks.block_size
+        extend_block_hashes(seq.block_hashes, seq.token_ids, self.blocks.block_size, usable,
+                            seq.cache_salt)
+        seq.block_table = self.blocks.match_prefix(seq.block_hashes[:usable], seq.token_ids)
+        seq.num_cached_blocks = len(seq.block_table)
+        seq.num_computed_tokens = seq.num_cached_blocks * self.blocks.block_size
+        self.prefix_queried_tokens += seq.num_tokens
+        self.prefix_hit_tokens += seq.num_computed_tokens
+
+    def _release_prefix(self, seq: Sequence) -> None:
+        """`seq` stays waiting: drop its hold on cached blocks (they stay cached)."""
+        self.blocks.deallocate(seq.block_table)
+        seq.num_computed_tokens = seq.num_cached_blocks = 0
+
+    def cache_full_blocks(self, seqs: list[Sequence]) -> None:
+        """After a step: register the blocks it filled, so later requests can reuse them."""
+        if not self.blocks.enable_caching:
+            return
+        size = self.blocks.block_size
+        for seq in seqs:
+            full = seq.num_computed_tokens // size
+            extend_block_hashes(seq.block_hashes, seq.token_ids, size, full, seq.cache_salt)
+            for i in range(seq.num_cached_blocks, full):
+                self.blocks.cache_block(seq.block_table[i], seq.block_hashes[i],
+                                        seq.token_ids[i * size:(i + 1) * size])
+            seq.num_cached_blocks = max(seq.num_cached_blocks, full)
 
     def _preempt(self, seq: Sequence) -> None:
         self.num_preemptions += 1

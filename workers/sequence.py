@@ -38,6 +38,9 @@ class Sequence:
     finish_reason: FinishReason | None = None
     first_token_time: float | None = None
     num_preemptions: int = 0
+    cache_salt: str = ""  # per tenant: part of every block hash, so tenants never share KV
+    block_hashes: list[bytes] = field(default_factory=list)  # of its full blocks, chained
+    num_cached_blocks: int = 0  # leading blocks registered for (or taken from) prefix caching
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -63,5 +66,6 @@ class Sequence:
     def reset_for_recompute(self) -> None:
         """After preemption: the KV is gone, every token (prompt and output) is recomputed."""
         self.num_computed_tokens = 0
+        self.num_cached_blocks = 0
         self.num_preemptions += 1
         self.status = SequenceStatus.WAITING
