@@ -95,6 +95,9 @@ class Scheduler:
                 self._release_prefix(seq)
                 break
             self.waiting.popleft()
+            if self.blocks.enable_caching:  # counted once per admission, not per retry
+                self.prefix_queried_tokens += seq.num_tokens
+                self.prefix_hit_tokens += seq.num_computed_tokens
             self.blocks.allocate(seq.block_table, seq.num_computed_tokens + n)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -110,8 +113,6 @@ class Scheduler:
         seq.block_table = self.blocks.match_prefix(seq.block_hashes[:usable], seq.token_ids)
         seq.num_cached_blocks = len(seq.block_table)
         seq.num_computed_tokens = seq.num_cached_blocks * self.blocks.block_size
-        self.prefix_queried_tokens += seq.num_tokens
-        self.prefix_hit_tokens += seq.num_computed_tokens
 
     def _release_prefix(self, seq: Sequence) -> None:
         """`seq` stays waiting: drop its hold on cached blocks (they stay cached)."""
