@@ -36,9 +36,7 @@ class GenerationDeployment:
         self.service = GenerationService(AsyncLLMEngine(self.engine), replicas=replicas,
                                          stream_coalesce_ms=stream_coalesce_ms)
         self.metrics = ServiceMetrics(self.engine.info.name)
-        self.status_publisher = StatusPublisher(lambda: (
-            len(self.engine.scheduler.running), len(self.engine.scheduler.waiting),
-            self.engine.kv_cache_usage())).start()
+        self.status_publisher = StatusPublisher(self.engine.load).start()
         self.open_streams = 0
 
     async def Generate(  # noqa: N802 - named after the RPC

@@ -44,9 +44,10 @@ class ServiceMetrics:
             metric.set_default_tags({"model": model})
 
     def update_gauges(self, engine: LLMEngine) -> None:
-        self.running.set(len(engine.scheduler.running))
-        self.waiting.set(len(engine.scheduler.waiting))
-        self.kv_usage.set(engine.kv_cache_usage())
+        running, waiting, kv_usage = engine.load()
+        self.running.set(running)
+        self.waiting.set(waiting)
+        self.kv_usage.set(kv_usage)
 
     async def track(
         self, stream: AsyncIterator[pb.GenerateResponse], engine: LLMEngine

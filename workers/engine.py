@@ -175,6 +175,10 @@ class LLMEngine:
     def kv_cache_usage(self) -> float:
         return self.block_manager.usage()
 
+    def load(self) -> tuple[int, int, float]:
+        """(running requests, waiting requests, KV usage 0-1): what gauges and status show."""
+        return len(self.scheduler.running), len(self.scheduler.waiting), self.kv_cache_usage()
+
     # -- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         scheduled = self.scheduler.schedule()
