@@ -6,12 +6,14 @@ Works with `serve run cluster.app:build_app model=...` and with a Serve config Y
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 from ray.serve import Application
 
 from cluster.deployment import GenerationDeployment
+from cluster.router import request_router_config
 
 GRPC_SERVICER_FUNCTIONS = ["cluster.grpc_ingress.add_generation_servicer"]
 
@@ -43,15 +45,30 @@ class AppConfig(BaseModel):
     max_num_batched_tokens: int = Field(512, ge=1)
     # each replica's admission queue; past it Generate answers RESOURCE_EXHAUSTED
     max_waiting_requests: int = Field(1024, ge=1)
-    enable_prefix_caching: bool = False  # reuse KV blocks of equal prompt prefixes
+    enable_prefix_caching: bool = True  # reuse KV blocks of equal prompt prefixes
+    # host memory per replica for the KV offload tier (demoted cached blocks, swapped requests)
+    cpu_offload_memory: str | int = 0
     stream_coalesce_ms: float = Field(0.0, ge=0)  # >0: merge tokens made within it per message
+    # the cache manager's Redis; None: $REDIS_URL, else an embedded redis-server
+    redis_url: str | None = None
+    kv_lease_ttl_s: float = Field(10.0, gt=0)  # a dead replica's index entries vanish within it
+    kv_report_interval_ms: float = Field(50.0, gt=0)  # replicas batch KV events this long
+    cache_aware_routing: bool = True  # route to the replica holding the longest cached prefix
+    # ongoing requests by which a cache holder may exceed the least-loaded replica and still win
+    routing_imbalance_threshold: float = Field(8.0, ge=0)
 
     def engine_config(self) -> dict[str, Any]:
         return {"model": self.model, "kv_cache_memory": self.kv_cache_memory,
                 "max_num_seqs": self.max_num_seqs,
                 "max_num_batched_tokens": self.max_num_batched_tokens,
                 "max_waiting_requests": self.max_waiting_requests,
-                "enable_prefix_caching": self.enable_prefix_caching}
+                "enable_prefix_caching": self.enable_prefix_caching,
+                "cpu_offload_memory": self.cpu_offload_memory}
+
+    def cache_manager_config(self) -> dict[str, Any]:
+        return {"redis_url": self.redis_url or os.environ.get("REDIS_URL"),
+                "lease_ttl_s": self.kv_lease_ttl_s,
+                "report_interval_ms": self.kv_report_interval_ms}
 
 
 def build_app(args: dict[str, Any] | AppConfig) -> Application:
@@ -68,5 +85,9 @@ def build_app(args: dict[str, Any] | AppConfig) -> Application:
         graceful_shutdown_timeout_s=config.graceful_shutdown_timeout_s,
         ray_actor_options=actor_options,
     )
+    if config.cache_aware_routing and config.enable_prefix_caching:
+        deployment = deployment.options(request_router_config=request_router_config(
+            config.model, imbalance_threshold=config.routing_imbalance_threshold))
     replicas = config.autoscaling.max_replicas if config.autoscaling else config.replicas
-    return deployment.bind(config.engine_config(), replicas, config.stream_coalesce_ms)
+    return deployment.bind(config.engine_config(), replicas, config.stream_coalesce_ms,
+                           config.cache_manager_config())

@@ -66,7 +66,8 @@ def response(out: RequestOutput) -> pb.GenerateResponse:
     if out.usage is not None:
         msg.usage.CopyFrom(pb.Usage(
             prompt_tokens=out.usage.prompt_tokens, completion_tokens=out.usage.completion_tokens,
-            time_to_first_token_ms=out.usage.time_to_first_token_ms or 0.0))
+            time_to_first_token_ms=out.usage.time_to_first_token_ms or 0.0,
+            cached_tokens=out.usage.cached_tokens))
     return msg
 
 

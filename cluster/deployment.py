@@ -9,6 +9,7 @@ its KV blocks (AsyncLLMEngine.generate's cleanup).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -16,7 +17,10 @@ from typing import Any
 from ray import serve
 from ray.serve.grpc_util import RayServegRPCContext
 
+from cache_manager import actor as cache_manager
+from cache_manager.manager import ReplicaState
 from cluster.convert import status_code
+from cluster.kv_reporter import KVReporter
 from cluster.metrics import ServiceMetrics
 from cluster.replica_status import StatusPublisher
 from cluster.service import GenerationService
@@ -31,12 +35,14 @@ SHUTDOWN_DRAIN_S = 2.0
 @serve.deployment(name="Generation")
 class GenerationDeployment:
     def __init__(self, engine_config: dict[str, Any], replicas: int,
-                 stream_coalesce_ms: float = 0.0) -> None:
+                 stream_coalesce_ms: float = 0.0, cache_manager_config: dict | None = None) -> None:
         self.engine = LLMEngine(EngineConfig(**engine_config))
         self.service = GenerationService(AsyncLLMEngine(self.engine), replicas=replicas,
                                          stream_coalesce_ms=stream_coalesce_ms)
         self.metrics = ServiceMetrics(self.engine.info.name)
         self.status_publisher = StatusPublisher(self.engine.load).start()
+        self.kv_reporter = _start_kv_reporter(self.engine, self.status_publisher.replica_id,
+                                              cache_manager_config or {})
         self.open_streams = 0
 
     async def Generate(  # noqa: N802 - named after the RPC
@@ -70,6 +76,7 @@ class GenerationDeployment:
         """Serve's shutdown hook, after its graceful wait: streams still open end UNAVAILABLE
         (EngineShutdownError), new ones are refused the same way, and every KV block is freed."""
         self.status_publisher.stop()
+        self.kv_reporter.stop()
         await self.service.engine.shutdown()
         deadline = time.monotonic() + SHUTDOWN_DRAIN_S  # Serve kills the actor when we return:
         while self.open_streams and time.monotonic() < deadline:  # let the errors leave first
@@ -83,6 +90,25 @@ class GenerationDeployment:
         """This replica's row (replica_id, pid, node_ip, running, waiting, kv_cache_usage,
         updated_at), as `kvserve status` shows it."""
         return self.status_publisher.current().to_dict()
+
+    def kv_state(self) -> ReplicaState:
+        """Send pending KV events to the cache manager, then say what this replica holds
+        (`kvserve cache check` compares the two)."""
+        self.kv_reporter.send_once(force=True)
+        return self.kv_reporter.state()
+
+    def kv_stats(self) -> dict:
+        return dataclasses.asdict(self.engine.kv_stats())
+
+
+def _start_kv_reporter(engine: LLMEngine, replica_id: str, config: dict) -> KVReporter:
+    """Report to this deployment's cache manager (started by the first replica)."""
+    context = serve.get_replica_context()
+    key = cache_manager.deployment_key(context.app_name, context.deployment)
+    manager = cache_manager.get_or_start(key, config.get("redis_url"),
+                                         config.get("lease_ttl_s", 10.0))
+    return KVReporter(engine, manager, replica_id,
+                      interval_s=config.get("report_interval_ms", 50) / 1000).start()
 
 
 def _set_status(grpc_context: RayServegRPCContext, exc: Exception) -> None:

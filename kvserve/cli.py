@@ -52,6 +52,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "flash_attn"])
     g.add_argument("--enable-prefix-caching", action="store_true",
                    help="reuse the KV blocks of equal prompt prefixes across requests")
+    g.add_argument("--cpu-offload-memory", type=parse_size, default=0,
+                   help="host memory for the KV offload tier, e.g. 4GiB: cached blocks evicted "
+                        "from the device pool are kept there, and preempted requests are "
+                        "swapped there instead of recomputed (default 0: off)")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -61,6 +65,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         attention_backend=args.attention_backend,
         enable_prefix_caching=args.enable_prefix_caching,
+        cpu_offload_memory=args.cpu_offload_memory,
     )
 
 
@@ -154,6 +159,13 @@ def _add_up(sub) -> None:
     p.add_argument("--model", default=None, help="model for every replica")
     p.add_argument("--grpc-port", type=int, default=50051)
     p.add_argument("--kv-cache-memory", default=None, help="KV pool per replica, e.g. 1GiB")
+    p.add_argument("--cpu-offload-memory", default=None,
+                   help="host-memory KV tier per replica, e.g. 4GiB (default 0: off)")
+    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   default=None, help="turn prefix caching (and cache-aware routing) off")
+    p.add_argument("--redis-url", default=None,
+                   help="Redis for the cache manager's index (default: $REDIS_URL, else an "
+                        "embedded redis-server)")
     p.add_argument("--config", default=None,
                    help="YAML of AppConfig fields, or a Serve config like infra/serve/cpu.yaml")
     p.add_argument("--detach", action="store_true",
@@ -167,7 +179,10 @@ def _run_up(args: argparse.Namespace) -> int:
     from cluster.launch import serve_until_interrupted
 
     overrides = {"replicas": args.replicas, "model": args.model,
-                 "kv_cache_memory": args.kv_cache_memory}
+                 "kv_cache_memory": args.kv_cache_memory,
+                 "cpu_offload_memory": args.cpu_offload_memory,
+                 "enable_prefix_caching": args.enable_prefix_caching,
+                 "redis_url": args.redis_url}
     if args.detach:
         from cluster.launch import deploy_detached
 

@@ -10,6 +10,10 @@ def assert_engine_idle(engine: LLMEngine) -> None:
     assert not engine.has_unfinished()
     assert not engine.requests
     assert engine.block_manager.num_free == engine.block_manager.num_blocks
+    host = engine.block_manager.host
+    if host is not None:  # no swapped-out KV left behind: every host block free or cached
+        assert len(host.free_ids) + len(host.cached) == host.num_blocks
+        assert not host.pinned
 
 
 def output_ids(outputs) -> list[int]:

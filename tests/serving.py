@@ -10,6 +10,7 @@ from typing import Any
 
 import grpc
 
+from cache_manager import actor as cache_manager
 from cluster.app import GRPC_SERVICER_FUNCTIONS, build_app
 from cluster.local_head import free_port
 from kvserve.v1 import generation_pb2 as pb
@@ -67,5 +68,6 @@ def serve_locally(app_args: dict[str, Any]) -> Iterator[Served]:
         yield Served(pb_grpc.GenerationStub(channel), handle, f"127.0.0.1:{port}", metrics_port)
     finally:
         channel.close()
+        cache_manager.shutdown(cache_manager.deployment_key(APP, "Generation"))  # + its Redis
         serve.shutdown()
         ray.shutdown()

@@ -18,14 +18,15 @@ def redis_handle(tmp_path_factory):
     handle.close()
 
 
-def report(rid: str, stored=None, removed=None, started=None, finished=()) -> ReplicaReport:
+def report(rid: str, stored=None, removed=None, requests=None, full=False) -> ReplicaReport:
     return ReplicaReport(rid, ReplicaUsage(100, 40, 10, 50, 5), stored or {}, removed or {},
-                         started or {}, list(finished))
+                         requests, full)
 
 
 def test_reports_build_the_view_and_holders_follow_stores_and_removals(redis_handle):
     index = KVIndex(redis_handle.client, "dep-a")
-    index.apply(report("r1", stored={"device": ["aa", "bb"]}, started={"req-1": 3}))
+    assert not index.apply(report("r1", stored={"device": ["aa", "bb"]}, requests={"req-1": 3}))
+    assert index.apply(report("r1"))  # known now
     index.apply(report("r2", stored={"host": ["bb"]}))
     assert index.live_replicas() == ["r1", "r2"]
     assert index.usage("r1") == ReplicaUsage(100, 40, 10, 50, 5)
@@ -33,17 +34,21 @@ def test_reports_build_the_view_and_holders_follow_stores_and_removals(redis_han
     assert index.requests("r1") == {"req-1": 3}
 
     index.apply(report("r1", removed={"device": ["bb"]}, stored={"host": ["bb"]},
-                       finished=["req-1"]))
+                       requests={}))
     assert index.holders("bb") == {"r1": ["host"], "r2": ["host"]}
     assert index.holders("aa") == {"r1": ["device"]}
     assert index.requests("r1") == {}
+    assert index.match(["aa", "bb", "cc"]) == {"r1": 2, "r2": 0}  # r2 lacks the first block
+    assert index.match(["bb"]) == {"r1": 1, "r2": 1}
+    index.apply(report("r1", stored={"device": ["cc"]}, full=True))  # replaces r1's sets
+    assert index.holders("aa") == {} and index.holders("cc") == {"r1": ["device"]}
     index.delete_all()
 
 
 def test_a_replica_that_stops_reporting_vanishes_within_its_lease(redis_handle):
     index = KVIndex(redis_handle.client, "dep-lease", lease_ttl_s=0.3)
     index.apply(report("alive", stored={"device": ["cc"]}))
-    index.apply(report("dies", stored={"device": ["cc"]}, started={"req": 1}))
+    index.apply(report("dies", stored={"device": ["cc"]}, requests={"req": 1}))
     deadline = time.monotonic() + 0.25
     while time.monotonic() < deadline:  # "alive" keeps renewing its lease; "dies" does not
         index.apply(report("alive"))
@@ -58,7 +63,7 @@ def test_a_replica_that_stops_reporting_vanishes_within_its_lease(redis_handle):
 
 def test_delete_all_removes_one_deployments_keys_only(redis_handle):
     a, b = KVIndex(redis_handle.client, "dep-x"), KVIndex(redis_handle.client, "dep-y")
-    a.apply(report("r", stored={"device": ["1"], "host": ["2"]}, started={"q": 1}))
+    a.apply(report("r", stored={"device": ["1"], "host": ["2"]}, requests={"q": 1}))
     b.apply(report("r", stored={"device": ["1"]}))
     assert a.delete_all() == 5  # replicas set, usage hash, 2 block sets, requests hash
     assert list(redis_handle.client.scan_iter(match="kvserve:dep-x:*")) == []

@@ -35,6 +35,10 @@ class EngineConfig:
     max_num_batched_tokens: int = 512  # token budget per step (chunked prefill beyond it)
     max_waiting_requests: int = 1024  # admission queue bound of the async engine
     enable_prefix_caching: bool = False  # reuse cached KV blocks of equal prompt prefixes
+    # bytes of host memory for the KV offload tier (pinned on CUDA); 0: no host tier. Cached
+    # blocks evicted from the device are demoted there, preempted sequences swapped there
+    cpu_offload_memory: int = 0
+    num_host_kv_blocks: int | None = None  # exact host tier size in blocks, overriding the above
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     rope_parameters: dict[str, Any] | None = None  # override, transformers' rope_parameters keys
     num_threads: int | None = None  # CPU torch threads; None: torch's default
@@ -42,6 +46,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_size(self.kv_cache_memory)
+        self.cpu_offload_memory = parse_size(self.cpu_offload_memory or 0)
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting_requests"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")

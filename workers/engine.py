@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -16,12 +17,14 @@ from workers.block_manager import BlockManager
 from workers.config import EngineConfig
 from workers.detokenizer import IncrementalDetokenizer
 from workers.errors import InvalidRequestError
+from workers.host_block_pool import HostBlockPool
 from workers.inputs import to_token_ids
 from workers.kv_cache import KVCacheSpec
+from workers.kv_events import KVEvents
 from workers.loader import LoadedCheckpoint, load_checkpoint, with_rope_override
 from workers.model import CausalLM, onednn_available
 from workers.model_runner import ModelRunner
-from workers.outputs import RequestOutput, Usage
+from workers.outputs import KVCacheStats, RequestOutput, Usage
 from workers.rope import RotaryEmbedding
 from workers.sampler import TokenLogprobs, sample
 from workers.sampling_params import SamplingParams
@@ -40,6 +43,7 @@ class ModelInfo:
     attention_backend: str
     block_size: int
     num_blocks: int
+    num_host_blocks: int
 
 
 @dataclass
@@ -71,12 +75,19 @@ class LLMEngine:
         num_blocks = config.num_kv_blocks or spec.num_blocks_for(_kv_budget(config, self.device))
         if num_blocks < 1:
             raise ValueError("kv_cache_memory is smaller than one KV block")
+        num_host_blocks = config.num_host_kv_blocks
+        if num_host_blocks is None:
+            num_host_blocks = spec.num_blocks_for(config.cpu_offload_memory)
         rope = RotaryEmbedding(ckpt.config, self.max_model_len, self.device)
-        self.runner = ModelRunner(
-            self.model, spec, num_blocks, rope, make_backend(backend_name), self.device
-        )
+        self.runner = ModelRunner(self.model, spec, num_blocks, rope, make_backend(backend_name),
+                                  self.device, num_host_blocks)
+        self.bytes_per_block = spec.bytes_per_block
+        self.kv_events = KVEvents()  # the cluster turns it on to report to its cache manager
+        host = HostBlockPool(num_host_blocks, self.kv_events) if num_host_blocks else None
         self.block_manager = BlockManager(
-            num_blocks, block_size, enable_caching=_prefix_caching(config, ckpt.config))
+            num_blocks, block_size, enable_caching=_prefix_caching(config, ckpt.config),
+            host=host, events=self.kv_events)
+        self.swap_seconds = 0.0  # time spent in KV copies between device and host
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
         )
@@ -91,6 +102,7 @@ class LLMEngine:
             attention_backend=backend_name,
             block_size=block_size,
             num_blocks=num_blocks,
+            num_host_blocks=num_host_blocks,
         )
         self.requests: dict[str, _Request] = {}
 
@@ -179,9 +191,27 @@ class LLMEngine:
         """(running requests, waiting requests, KV usage 0-1): what gauges and status show."""
         return len(self.scheduler.running), len(self.scheduler.waiting), self.kv_cache_usage()
 
+    def kv_stats(self) -> KVCacheStats:
+        bm, sched = self.block_manager, self.scheduler
+        host = bm.host
+        return KVCacheStats(
+            device_blocks=bm.num_blocks, device_used=bm.num_blocks - bm.num_free,
+            device_cached=len(bm.cached), host_blocks=host.num_blocks if host else 0,
+            host_used=host.num_blocks - len(host.free_ids) if host else 0,
+            host_cached=len(host.cached) if host else 0,
+            prefix_queried_tokens=sched.prefix_queried_tokens,
+            prefix_hit_tokens=sched.prefix_hit_tokens, preemptions=sched.num_preemptions,
+            blocks_offloaded=bm.num_offloaded, blocks_restored=bm.num_restored,
+            blocks_swapped_out=bm.num_swapped_out, blocks_swapped_in=bm.num_swapped_in,
+            swap_bytes=(bm.num_offloaded + bm.num_restored + bm.num_swapped_out
+                        + bm.num_swapped_in) * self.bytes_per_block,
+            swap_seconds=self.swap_seconds,
+        )
+
     # -- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         scheduled = self.scheduler.schedule()
+        self._run_copies()
         if not scheduled.chunks:
             return []
         logits, sampling = self.runner.execute(scheduled.chunks)
@@ -191,6 +221,15 @@ class LLMEngine:
             chunk.seq.num_computed_tokens += chunk.num_tokens
         self.scheduler.cache_full_blocks([c.seq for c in scheduled.chunks])
         return [self._append(s, t, lp) for s, t, lp in zip(seqs, tokens, logprobs, strict=True)]
+
+    def _run_copies(self) -> None:
+        """The step's batched KV copies (swaps, demotions, restores), before the model runs."""
+        plan = self.block_manager.take_copy_plan()
+        if plan:
+            start = time.perf_counter()
+            self.runner.copy(plan)
+            self.block_manager.copies_done(plan)
+            self.swap_seconds += time.perf_counter() - start
 
     def _append(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None) -> RequestOutput:
         req = self.requests[seq.request_id]
@@ -222,7 +261,8 @@ class LLMEngine:
         ttft = None
         if seq.first_token_time is not None:
             ttft = (seq.first_token_time - seq.arrival_time) * 1000
-        usage = Usage(seq.num_prompt_tokens, len(seq.output_token_ids), ttft)
+        usage = Usage(seq.num_prompt_tokens, len(seq.output_token_ids), ttft,
+                      seq.num_cached_prompt_tokens)
         return RequestOutput(seq.request_id, token_ids or [], text, logprobs, reason.value, usage)
 
     # -- convenience ----------------------------------------------------------------------

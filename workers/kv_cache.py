@@ -25,13 +25,31 @@ class KVCacheSpec:
         return budget_bytes // self.bytes_per_block
 
 
+KVCache = list[tuple[torch.Tensor, torch.Tensor]]
+
+
 def allocate_kv_cache(
-    spec: KVCacheSpec, num_blocks: int, device: torch.device
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer (k, v), each [num_blocks, block_size, kv_heads, head_dim] (flash-attn's layout)."""
+    spec: KVCacheSpec, num_blocks: int, device: torch.device, pin_memory: bool = False
+) -> KVCache:
+    """Per layer (k, v), each [num_blocks, block_size, kv_heads, head_dim] (flash-attn's layout).
+    `pin_memory` for a host tier that feeds a GPU (asynchronous copies need pinned pages)."""
     shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-    return [
-        (torch.zeros(shape, dtype=spec.dtype, device=device),
-         torch.zeros(shape, dtype=spec.dtype, device=device))
-        for _ in range(spec.num_layers)
-    ]
+
+    def zeros() -> torch.Tensor:
+        return torch.zeros(shape, dtype=spec.dtype, device=device, pin_memory=pin_memory)
+
+    return [(zeros(), zeros()) for _ in range(spec.num_layers)]
+
+
+def copy_blocks(src: KVCache, src_ids: list[int], dst: KVCache, dst_ids: list[int]) -> None:
+    """dst[dst_ids] = src[src_ids] in every layer: one gather and one scatter per tensor."""
+    if not src_ids:
+        return
+    src_index = torch.tensor(src_ids, device=src[0][0].device)
+    dst_index = torch.tensor(dst_ids, device=dst[0][0].device)
+    for src_kv, dst_kv in zip(src, dst, strict=True):
+        for s, d in zip(src_kv, dst_kv, strict=True):
+            # blocks: [n, block_size, kv_heads, head_dim]; device->host must finish before the
+            # host tensor is written, so only host->device copies are asynchronous
+            blocks = s.index_select(0, src_index).to(d.device, non_blocking=d.is_cuda)
+            d.index_copy_(0, dst_index, blocks)

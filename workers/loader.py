@@ -142,3 +142,10 @@ def override_rope(config: Any, rope_parameters: dict[str, Any]) -> dict[str, Any
     if merged["rope_type"] in ("yarn", "llama3", "longrope"):
         merged.setdefault("original_max_position_embeddings", config.max_position_embeddings)
     return merged
+
+
+def load_tokenizer(model: str | None) -> Any:
+    """The tokenizer `load_checkpoint(model)` gives, without loading the weights."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_model_dir(model))

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import torch
 
 from workers.attention import AttentionMetadata, PrefillSegment
-from workers.kv_cache import KVCacheSpec, allocate_kv_cache
+from workers.kv_cache import KVCacheSpec, allocate_kv_cache, copy_blocks
+from workers.kv_events import KVCopyPlan
 from workers.model import CausalLM
 from workers.rope import RotaryEmbedding
 from workers.scheduler import ScheduledChunk
@@ -26,14 +27,25 @@ class ModelInput:
 class ModelRunner:
     def __init__(
         self, model: CausalLM, spec: KVCacheSpec, num_blocks: int, rope: RotaryEmbedding,
-        backend, device: torch.device,
+        backend, device: torch.device, num_host_blocks: int = 0,
     ) -> None:
         self.model = model
         self.block_size = spec.block_size
         self.kv_cache = allocate_kv_cache(spec, num_blocks, device)
+        self.host_kv_cache = allocate_kv_cache(
+            spec, num_host_blocks, torch.device("cpu"), pin_memory=device.type == "cuda")
         self.rope = rope
         self.backend = backend
         self.device = device
+
+    @torch.inference_mode()
+    def copy(self, plan: KVCopyPlan) -> None:
+        """Run a step's KV copies: device->host first (their device blocks may be reused by
+        this step), then host->device."""
+        copy_blocks(self.kv_cache, [d for d, _ in plan.to_host],
+                    self.host_kv_cache, [h for _, h in plan.to_host])
+        copy_blocks(self.host_kv_cache, [h for h, _ in plan.to_device],
+                    self.kv_cache, [d for _, d in plan.to_device])
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, list[ScheduledChunk]]:

@@ -4,7 +4,8 @@ Running sequences are served in admission order (a decode costs one token, an un
 a chunk of it), so a long prompt is prefilled in chunks and never stalls running decodes. Waiting
 sequences join while the budget, `max_num_seqs` and free blocks allow. When a running sequence
 cannot get a block, the most recently admitted sequence is preempted: its blocks are freed and it
-goes back to the front of the queue to be recomputed.
+goes back to the front of the queue. With a host tier that has room, its KV is swapped out (copied
+to host blocks) and swapped back in when it resumes; otherwise it is recomputed.
 """
 
 from __future__ import annotations
@@ -88,17 +89,22 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if self.blocks.enable_caching and not seq.block_table:
+            if self.blocks.enable_caching and not seq.block_table and not seq.host_table:
                 self._reuse_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self.blocks.can_allocate(seq.block_table, seq.num_computed_tokens + n):
                 self._release_prefix(seq)
                 break
             self.waiting.popleft()
-            if self.blocks.enable_caching:  # counted once per admission, not per retry
+            if self.blocks.enable_caching and not seq.num_preemptions:
+                # once per request: a retry or a resume after preemption is not a new query
                 self.prefix_queried_tokens += seq.num_tokens
                 self.prefix_hit_tokens += seq.num_computed_tokens
+                seq.num_cached_prompt_tokens = seq.num_computed_tokens
             self.blocks.allocate(seq.block_table, seq.num_computed_tokens + n)
+            if seq.host_table:
+                self.blocks.swap_in(seq.host_table, seq.block_table)
+                seq.host_table = []
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.chunks.append(ScheduledChunk(seq, n))
@@ -116,6 +122,8 @@ class Scheduler:
 
     def _release_prefix(self, seq: Sequence) -> None:
         """`seq` stays waiting: drop its hold on cached blocks (they stay cached)."""
+        if seq.host_table:  # swapped out: its KV waits in the host tier
+            return
         self.blocks.deallocate(seq.block_table)
         seq.num_computed_tokens = seq.num_cached_blocks = 0
 
@@ -134,8 +142,13 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.num_preemptions += 1
-        self.blocks.deallocate(seq.block_table)
-        seq.reset_for_recompute()
+        if self.blocks.can_swap_out(seq.block_table):
+            seq.host_table = self.blocks.swap_out(seq.block_table)
+            self.blocks.deallocate(seq.block_table)
+            seq.mark_swapped()
+        else:
+            self.blocks.deallocate(seq.block_table)
+            seq.reset_for_recompute()
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
@@ -145,5 +158,7 @@ class Scheduler:
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         self.blocks.deallocate(seq.block_table)
+        self.blocks.free_swapped(seq.host_table)
+        seq.host_table = []
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

@@ -41,6 +41,8 @@ class Sequence:
     cache_salt: str = ""  # per tenant: part of every block hash, so tenants never share KV
     block_hashes: list[bytes] = field(default_factory=list)  # of its full blocks, chained
     num_cached_blocks: int = 0  # leading blocks registered for (or taken from) prefix caching
+    num_cached_prompt_tokens: int = 0  # prompt tokens a prefix-cache hit spared, at admission
+    host_table: list[int] = field(default_factory=list)  # swapped out: its KV in host blocks
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -62,6 +64,12 @@ class Sequence:
         self.output_token_ids.append(token_id)
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()
+
+    def mark_swapped(self) -> None:
+        """After preemption with swap: the KV waits in `host_table`, nothing is recomputed."""
+        self.num_cached_blocks = 0  # its new device blocks are registered again on resume
+        self.num_preemptions += 1
+        self.status = SequenceStatus.WAITING
 
     def reset_for_recompute(self) -> None:
         """After preemption: the KV is gone, every token (prompt and output) is recomputed."""

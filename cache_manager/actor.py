@@ -1,0 +1,102 @@
+"""The central cache manager as a named, detached Ray actor: one per deployment.
+
+The first replica of a deployment starts it (`get_or_start`); Ray restarts it if it dies, and
+the restarted manager rebuilds Redis from the replicas' full reports. Without a Redis URL it
+runs an embedded redis-server in a directory named after the node and deployment, and a
+restarted manager reuses it. `kvserve down` calls `shutdown`: it deletes the deployment's keys,
+stops the embedded server and ends the actor.
+"""
+
+from __future__ import annotations
+
+import re
+import tempfile
+from pathlib import Path
+
+import ray
+
+from cache_manager.index import KVIndex, ReplicaReport
+from cache_manager.manager import CacheManager, ReplicaState
+from cache_manager.redis_server import connect
+
+MANAGER_NAMESPACE = "kvserve"
+
+
+def deployment_key(app_name: str, deployment_name: str) -> str:
+    """Names one deployment cluster-wide: its manager actor and its Redis namespace."""
+    return f"{app_name}.{deployment_name}"
+
+
+def manager_name(deployment: str) -> str:
+    return f"kvserve-cache-manager:{deployment}"
+
+
+@ray.remote(num_cpus=0, max_restarts=-1)
+class CacheManagerActor:
+    def __init__(self, deployment: str, redis_url: str | None, lease_ttl_s: float) -> None:
+        self.deployment = deployment
+        self.redis = connect(redis_url, _embedded_dir(deployment))
+        self.manager = CacheManager(KVIndex(self.redis.client, deployment, lease_ttl_s))
+
+    def report(self, report: ReplicaReport) -> bool:
+        return self.manager.report(report)
+
+    def match(self, block_hashes: list[str]) -> dict[str, int]:
+        return self.manager.match(block_hashes)
+
+    def block_size(self) -> int | None:
+        return self.manager.block_size
+
+    def redis_url(self) -> str:
+        return self.redis.url
+
+    def summary(self) -> dict[str, dict]:
+        return self.manager.summary()
+
+    def check(self, states: list[ReplicaState]) -> list[str]:
+        return self.manager.check(states)
+
+    def stats(self) -> dict[str, int]:
+        return {"full_reports": self.manager.num_full_reports}
+
+    def shutdown(self) -> int:
+        """Delete this deployment's keys (and stop an embedded server); returns keys deleted."""
+        deleted = self.manager.delete_all()
+        if self.redis.embedded:
+            self.redis.stop_server()
+        ray.actor.exit_actor()
+        return deleted
+
+
+def get_or_start(deployment: str, redis_url: str | None = None,
+                 lease_ttl_s: float = 10.0) -> ray.actor.ActorHandle:
+    return CacheManagerActor.options(
+        name=manager_name(deployment), namespace=MANAGER_NAMESPACE, lifetime="detached",
+        get_if_exists=True,
+    ).remote(deployment, redis_url, lease_ttl_s)
+
+
+def get(deployment: str) -> ray.actor.ActorHandle | None:
+    try:
+        return ray.get_actor(manager_name(deployment), namespace=MANAGER_NAMESPACE)
+    except ValueError:
+        return None
+
+
+def shutdown(deployment: str, timeout_s: float = 10.0) -> int | None:
+    """Stop the deployment's manager and delete its keys; None if it was not running."""
+    actor = get(deployment)
+    if actor is None:
+        return None
+    try:
+        return ray.get(actor.shutdown.remote(), timeout=timeout_s)
+    except ray.exceptions.RayActorError:  # exit_actor ends the call before it answers
+        return 0
+    finally:
+        ray.kill(actor, no_restart=True)
+
+
+def _embedded_dir(deployment: str) -> Path:
+    node = ray.get_runtime_context().get_node_id()[:12]
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", deployment)
+    return Path(tempfile.gettempdir()) / f"kvserve-redis-{node}-{safe}"

@@ -1,0 +1,154 @@
+"""The host tier of the KV cache (issue #4): demoted cached blocks come back by copy, preempted
+requests are swapped out and in instead of recomputed, and outputs never change."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tests.helpers import assert_engine_idle, solo_ids
+from tests.test_prefix_caching import check_cache_ledger
+from workers.engine import LLMEngine
+from workers.host_block_pool import HostBlockPool
+from workers.kv_events import KVEvents
+
+# -- HostBlockPool units --------------------------------------------------------------------
+
+
+def test_host_pool_evicts_least_recently_used_cached_block_and_reports_it() -> None:
+    events = KVEvents(enabled=True)
+    pool = HostBlockPool(2, events)
+    a, b = pool.demote(b"a", [1]), pool.demote(b"b", [2])
+    assert {a, b} == {0, 1} and pool.num_free == 2  # cached blocks can be evicted
+    assert pool.demote(b"a", [1]) is None  # already here: no copy, and now the most recent
+    c = pool.demote(b"c", [3])
+    assert c == b and list(pool.cached) == [b"a", b"c"]
+    assert [(e.kind, e.block_hash) for e in events.drain()] == [
+        ("stored", b"a"), ("stored", b"b"), ("removed", b"b"), ("stored", b"c")]
+
+
+def test_host_pool_confirms_tokens_and_pins_copy_sources() -> None:
+    pool = HostBlockPool(2, KVEvents())
+    block = pool.demote(b"h", [5, 6])
+    assert pool.lookup(b"h", [5, 7]) is None  # same hash, other tokens: a miss
+    assert pool.lookup(b"h", [5, 6]) == block
+    swapped = pool.take()
+    assert pool.take() is None  # the only cached block is pinned by a pending copy
+    pool.unpin_all()
+    assert pool.take() == block and not pool.cached
+    pool.release([swapped, block])
+    assert pool.num_free == 2
+
+
+# -- the engine with a host tier --------------------------------------------------------------
+
+
+def check_host_ledger(engine: LLMEngine) -> None:
+    """Every host block is exactly one of free, cached, or swapped (in one waiting request's
+    host table); no copy is pending between steps."""
+    host = engine.block_manager.host
+    swapped = [b for r in engine.requests.values() for b in r.seq.host_table]
+    free, cached = set(host.free_ids), set(host.cached.values())
+    assert len(free) == len(host.free_ids) and len(set(swapped)) == len(swapped)
+    assert not free & cached and not (free | cached) & set(swapped)
+    assert len(free) + len(cached) + len(swapped) == host.num_blocks
+    assert not host.pinned and not engine.block_manager.plan
+
+
+@pytest.mark.parametrize("seed", [3, 19, 42])
+def test_random_traffic_with_host_tier_keeps_both_ledgers_and_every_output(
+    seed, make_tiny_engine, one_torch_thread
+):
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(3, 400) for _ in range(rng.choice([16, 33, 48]))] for _ in range(4)]
+    requests = [{"prompt_token_ids": rng.choice(prefixes) + [rng.randrange(3, 400)
+                                                             for _ in range(rng.randrange(1, 12))],
+                 "params": {"max_tokens": rng.randrange(1, 24), "temperature": 0,
+                            "ignore_eos": True},
+                 "request_id": f"r{i}"} for i in range(40)]
+    cfg = {"num_kv_blocks": 9, "block_size": 16, "max_num_seqs": 4, "max_num_batched_tokens": 40}
+    plain = make_tiny_engine(**cfg)
+    engine = make_tiny_engine(**cfg, num_host_kv_blocks=12, enable_prefix_caching=True)
+    expected = {r["request_id"]: solo_ids(plain, **r) for r in requests}
+    got: dict[str, list[int]] = {}
+    pending, aborted = list(requests), set()
+    while pending or engine.has_unfinished():
+        for _ in range(rng.randrange(0, 3)):
+            if pending:
+                engine.add_request(**pending.pop(0))
+        if engine.requests and rng.random() < 0.05:
+            victim = rng.choice(sorted(engine.requests))
+            engine.abort(victim)
+            aborted.add(victim)
+        for out in engine.step():
+            got.setdefault(out.request_id, []).extend(out.token_ids)
+        check_cache_ledger(engine)
+        check_host_ledger(engine)
+    for rid, ids in got.items():
+        if rid not in aborted:
+            assert ids == expected[rid], rid
+    stats = engine.kv_stats()
+    assert stats.blocks_swapped_out > 0 and stats.blocks_swapped_in > 0
+    assert stats.blocks_offloaded > 0 and stats.blocks_restored > 0, stats
+    assert_engine_idle(engine)
+
+
+# -- the real model ------------------------------------------------------------------------------
+
+GREEDY = {"temperature": 0, "max_tokens": 16, "ignore_eos": True}
+TOPICS = ["rivers", "volcanoes", "bridges", "glaciers", "lighthouses", "deserts", "forests",
+          "harbours"]
+
+
+def long_prompt(i: int, sentences: int = 14) -> str:
+    topic = TOPICS[i % len(TOPICS)]
+    facts = " ".join(f"Fact {j} about {topic} number {i}: it was surveyed in {1900 + 7 * i + j} "
+                     f"and measured {13 * j + i} units." for j in range(sentences))
+    return f"Report {i}. {facts} Summarise report {i} in one sentence:"
+
+
+def real_engine_with(**cfg) -> LLMEngine:
+    from workers.config import EngineConfig
+
+    return LLMEngine(EngineConfig(device="cpu", **cfg))
+
+
+def test_host_tier_hits_are_token_identical(real_engine, model_dir):
+    """Two conversations take turns on a device pool that holds one history at a time: each
+    turn's history was demoted to the host tier by the other's, and comes back by copy."""
+    engine = real_engine_with(num_kv_blocks=40, num_host_kv_blocks=80, max_num_seqs=1,
+                              enable_prefix_caching=True)
+    histories = {0: long_prompt(0), 1: long_prompt(1)}
+    for turn in range(3):
+        for conv, history in histories.items():
+            prompt = f"{history} Question {turn}: what is fact {turn}?"
+            before = engine.kv_stats()
+            got = solo_ids(engine, prompt=prompt, params=GREEDY)
+            assert got == solo_ids(real_engine, prompt=prompt, params=GREEDY), (turn, conv)
+            after = engine.kv_stats()
+            if turn:
+                assert after.blocks_restored > before.blocks_restored  # a host-tier hit
+                assert after.prefix_hit_tokens - before.prefix_hit_tokens >= 300
+    assert engine.kv_stats().blocks_offloaded > 0
+    assert_engine_idle(engine)
+
+
+def test_swap_under_pressure_keeps_32_outputs_identical_to_solo_runs(real_engine):
+    """Acceptance 3: the device pool fits a quarter of the working set, the host tier the rest."""
+    prompts = [long_prompt(i) for i in range(32)]
+    requests = [{"prompt": p, "params": GREEDY, "request_id": f"r{i}"}
+                for i, p in enumerate(prompts)]
+    lengths = [len(real_engine.tokenizer(p).input_ids) + GREEDY["max_tokens"] for p in prompts]
+    working_set = sum(-(-n // 16) for n in lengths)
+    assert min(lengths) > 300
+    engine = real_engine_with(num_kv_blocks=working_set // 4,
+                              num_host_kv_blocks=working_set - working_set // 4 + 32)
+    expected = {r["request_id"]: solo_ids(real_engine, **r) for r in requests}
+    outputs = engine.generate_all(requests)
+    assert {rid: [t for o in outs for t in o.token_ids] for rid, outs in outputs.items()} \
+        == expected
+    stats = engine.kv_stats()
+    assert stats.blocks_swapped_out > 0 and stats.blocks_swapped_in == stats.blocks_swapped_out
+    assert stats.swap_bytes > 0 and stats.swap_seconds > 0
+    assert_engine_idle(engine)
