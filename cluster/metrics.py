@@ -3,6 +3,7 @@ allows `:` in names). They reach the Ray dashboard and Prometheus as `ray_kvserv
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 
@@ -10,6 +11,7 @@ from ray.serve.metrics import Counter, Gauge, Histogram
 
 from kvserve.v1 import generation_pb2 as pb
 from workers.engine import LLMEngine
+from workers.outputs import KVCacheStats
 
 LATENCY_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
@@ -22,6 +24,37 @@ METRIC_NAMES = (
     "kvserve_num_requests_waiting", "kvserve_kv_cache_usage_perc", "kvserve_prompt_tokens_total",
     "kvserve_generation_tokens_total", "kvserve_request_success_total",
 )
+# the KV cache's own (issue #4): tokens for prefix caching, blocks and bytes for the host tier
+KV_CACHE_METRIC_NAMES = (
+    "kvserve_prefix_cache_queries_total", "kvserve_prefix_cache_hits_total",
+    "kvserve_kv_host_cache_usage_perc", "kvserve_kv_blocks_offloaded_total",
+    "kvserve_kv_blocks_restored_total", "kvserve_kv_blocks_swapped_total",
+    "kvserve_kv_swap_bytes_total", "kvserve_kv_swap_seconds_total",
+    "kvserve_num_preemptions_total",
+)
+# KVCacheStats counter -> (metric, tags) that grows by its increase
+_KV_COUNTERS = {
+    "prefix_queried_tokens": (0, {}), "prefix_hit_tokens": (1, {}),
+    "blocks_offloaded": (3, {}), "blocks_restored": (4, {}),
+    "blocks_swapped_out": (5, {"direction": "out"}), "blocks_swapped_in": (5, {"direction": "in"}),
+    "swap_bytes": (6, {}), "swap_seconds": (7, {}), "preemptions": (8, {}),
+}
+
+
+def _kv_cache_metrics(tags: tuple[str, ...]) -> list:
+    names = KV_CACHE_METRIC_NAMES
+    return [
+        Counter(names[0], "Prompt tokens looked up in the prefix cache.", tags),
+        Counter(names[1], "Prompt tokens found in the prefix cache (either tier).", tags),
+        Gauge(names[2], "Fraction of the host KV tier in use (0-1).", tags),
+        Counter(names[3], "Cached KV blocks demoted from the device to the host tier.", tags),
+        Counter(names[4], "Host-tier prefix hits copied back to the device (blocks).", tags),
+        Counter(names[5], "KV blocks of preempted requests swapped out / in.",
+                (*tags, "direction")),
+        Counter(names[6], "Bytes copied between device and host KV tiers.", tags),
+        Counter(names[7], "Seconds spent copying KV between device and host.", tags),
+        Counter(names[8], "Requests preempted for lack of KV blocks.", tags),
+    ]
 
 
 class ServiceMetrics:
@@ -39,8 +72,11 @@ class ServiceMetrics:
         self.generation_tokens = Counter(METRIC_NAMES[7], "Tokens generated.", tags)
         self.success = Counter(METRIC_NAMES[8], "Finished requests by reason.",
                                ("model", "finished_reason"))
+        self.kv_metrics = _kv_cache_metrics(tags)
+        self._last_kv = KVCacheStats(*[0] * len(dataclasses.fields(KVCacheStats)))
         for metric in (self.ttft, self.itl, self.e2e, self.running, self.waiting, self.kv_usage,
-                       self.prompt_tokens, self.generation_tokens, self.success):
+                       self.prompt_tokens, self.generation_tokens, self.success,
+                       *self.kv_metrics):
             metric.set_default_tags({"model": model})
 
     def update_gauges(self, engine: LLMEngine) -> None:
@@ -48,6 +84,17 @@ class ServiceMetrics:
         self.running.set(running)
         self.waiting.set(waiting)
         self.kv_usage.set(kv_usage)
+        self.update_kv_cache(engine.kv_stats())
+
+    def update_kv_cache(self, stats: KVCacheStats) -> None:
+        """Counters grow by what the engine's counters grew since the last call."""
+        for field, (index, tags) in _KV_COUNTERS.items():
+            increase = getattr(stats, field) - getattr(self._last_kv, field)
+            if increase > 0:
+                self.kv_metrics[index].inc(increase, tags=tags or None)
+        if stats.host_blocks:
+            self.kv_metrics[2].set(stats.host_used / stats.host_blocks)
+        self._last_kv = stats
 
     async def track(
         self, stream: AsyncIterator[pb.GenerateResponse], engine: LLMEngine

@@ -73,6 +73,7 @@ def collect_status(app_name: str = APP_NAME) -> dict[str, Any] | None:
         return None
     live = [r for d in app.deployments.values() for r in d.replicas]
     rows = replica_status.read_current(live_ids=[r.replica_id for r in live])
+    cache = _cache_summary(app_name)
     deployments, replicas = {}, []
     for name, dep in app.deployments.items():
         counts: dict[str, int] = {}
@@ -89,11 +90,37 @@ def collect_status(app_name: str = APP_NAME) -> dict[str, Any] | None:
                 "running": row.running if row else None, "waiting": row.waiting if row else None,
                 "kv_cache_usage": row.kv_cache_usage if row else None,
                 "updated_at": row.updated_at if row else None,
+                **_cache_columns(cache.get(r.replica_id)),
             })
     grpc = details.grpc_options
     return {"application": app_name, "status": str(app.status.value), "message": app.message,
             "grpc_port": getattr(grpc, "port", None), "deployments": deployments,
             "replicas": replicas}
+
+
+def _cache_summary(app_name: str) -> dict[str, dict]:
+    """Replica id -> its usage in the cache manager's index ({} without a manager)."""
+    import ray
+
+    from cache_manager import actor as cache_manager
+
+    manager = cache_manager.get(cache_manager.deployment_key(app_name, "Generation"))
+    if manager is None:
+        return {}
+    try:
+        return ray.get(manager.summary.remote(), timeout=10)
+    except Exception:  # noqa: BLE001 - status still shows what Serve knows
+        return {}
+
+
+def _cache_columns(usage: dict | None) -> dict[str, Any]:
+    """KV host-tier usage, cached blocks and prefix hit rate (None where unknown)."""
+    if usage is None:
+        return {"kv_host_usage": None, "kv_cached_blocks": None, "prefix_cache_hit_rate": None}
+    host, queried = usage["host_total"], usage["prefix_queried_tokens"]
+    return {"kv_host_usage": usage["host_used"] / host if host else None,
+            "kv_cached_blocks": usage["device_cached"] + usage["host_cached"],
+            "prefix_cache_hit_rate": usage["prefix_hit_tokens"] / queried if queried else None}
 
 
 def status(address: str | None, as_json: bool) -> int:
@@ -128,11 +155,12 @@ def format_status(report: dict[str, Any]) -> str:
         counts = ", ".join(f"{k}={v}" for k, v in sorted(dep["replica_states"].items()))
         lines.append(f"deployment {name}: {dep['status']} ({counts or 'no replicas'}; "
                      f"target {dep['target_replicas']})")
-    header = ("REPLICA", "PID", "STATE", "RUNNING", "WAITING", "KV %")
+    header = ("REPLICA", "PID", "STATE", "RUNNING", "WAITING", "KV %", "HOST KV %", "CACHED",
+              "PREFIX HIT %")
     table = [header] + [(
         r["replica_id"], str(r["pid"] or "-"), r["state"], _or_dash(r["running"]),
-        _or_dash(r["waiting"]),
-        "-" if r["kv_cache_usage"] is None else f"{100 * r['kv_cache_usage']:.1f}",
+        _or_dash(r["waiting"]), _percent(r["kv_cache_usage"]), _percent(r.get("kv_host_usage")),
+        _or_dash(r.get("kv_cached_blocks")), _percent(r.get("prefix_cache_hit_rate")),
     ) for r in report["replicas"]]
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     lines.append("")
@@ -145,6 +173,27 @@ def _or_dash(value: Any) -> str:
     return "-" if value is None else str(value)
 
 
+def _percent(fraction: float | None) -> str:
+    return "-" if fraction is None else f"{100 * fraction:.1f}"
+
+
+# -- cache check ----------------------------------------------------------------------------
+def cache_check(address: str | None, as_json: bool) -> int:
+    try:
+        _connect(address)
+    except NothingRunning as exc:
+        print(f"kvserve: nothing deployed: {exc}", file=sys.stderr)
+        return 1
+    import ray
+
+    from cluster import cache_check as check
+
+    try:
+        return check.run(APP_NAME, as_json)
+    finally:
+        ray.shutdown()
+
+
 # -- down ----------------------------------------------------------------------------------
 def down(address: str | None) -> int:
     try:
@@ -155,6 +204,8 @@ def down(address: str | None) -> int:
     import ray
     from ray import serve
 
+    from cache_manager import actor as cache_manager
+
     stop_head = state is not None and state.started_head
     try:
         deleted = APP_NAME in serve.status().applications
@@ -162,6 +213,10 @@ def down(address: str | None) -> int:
             serve.delete(APP_NAME)
             print(f"kvserve: deleted the '{APP_NAME}' application", flush=True)
         replica_status.delete_all()
+        keys = cache_manager.shutdown(cache_manager.deployment_key(APP_NAME, "Generation"))
+        if keys is not None:
+            print(f"kvserve: stopped the cache manager, deleted its Redis keys ({keys})",
+                  flush=True)
         if stop_head:
             serve.shutdown()  # before the head goes: nothing left to drain
     finally:

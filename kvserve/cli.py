@@ -30,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_up(sub)
     _add_down(sub)
     _add_status(sub)
+    _add_cache(sub)
     _add_bench(sub)
     return parser
 
@@ -217,6 +218,21 @@ def _add_status(sub) -> None:
                         "replica_states), replicas (replica_id, pid, state, running, waiting, "
                         "kv_cache_usage, ...)")
     p.set_defaults(run=lambda args: _status_cli().status(args.address, args.json))
+
+
+def _add_cache(sub) -> None:
+    p = sub.add_parser("cache", help="inspect the cluster's KV cache index")
+    cache = p.add_subparsers(title="cache commands")
+    c = cache.add_parser(
+        "check", help="compare the cache manager's Redis index with every replica's KV blocks",
+        description="Ask every replica to send its pending KV events and report what it holds "
+                    "(cached block hashes per tier, live requests), and compare that with the "
+                    "cache manager's Redis index. Prints every discrepancy; exits 1 if any.")
+    c.add_argument("--address", default=None, help=_ADDRESS_HELP)
+    c.add_argument("--json", action="store_true",
+                   help='print {"deployment": ..., "discrepancies": [...]}')
+    c.set_defaults(run=lambda args: _status_cli().cache_check(args.address, args.json))
+    p.set_defaults(run=lambda args: (p.print_help(), 2)[1])
 
 
 def _status_cli():

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 
+from cache_manager.redis_server import start_embedded
 from cluster import local_head
 from tests.serving import free_port
 from tests.test_cli import KVSERVE
@@ -26,8 +27,11 @@ def test_up_detach_status_generate_down(model_dir, tmp_path, monkeypatch):
                               timeout=timeout)
 
     port = free_port()
+    redis = start_embedded(tmp_path / "redis")  # the cache manager's index, via --redis-url
+    namespace = "kvserve:kvserve.Generation:*"
     try:
-        up = kvserve("up", "--detach", "--grpc-port", str(port), "--kv-cache-memory", "256MiB")
+        up = kvserve("up", "--detach", "--grpc-port", str(port), "--kv-cache-memory", "256MiB",
+                     "--redis-url", redis.url)
         assert up.returncode == 0, up.stdout + up.stderr
         assert f"127.0.0.1:{port}" in up.stdout
         assert "dashboard at http://127.0.0.1:" in up.stdout
@@ -49,19 +53,31 @@ def test_up_detach_status_generate_down(model_dir, tmp_path, monkeypatch):
         assert replica["running"] == 0 and replica["waiting"] == 0
         assert 0.0 <= replica["kv_cache_usage"] <= 1.0
 
-        gen = kvserve("generate", "--target", f"127.0.0.1:{port}", "Hello", "--max-tokens", "4",
-                      "--json")
-        assert gen.returncode == 0, gen.stderr
-        result = json.loads(gen.stdout)
-        assert len(result["token_ids"]) == 4 and result["finish_reason"] == "length"
+        prompt = " ".join(["The quick brown fox jumps over the lazy dog."] * 8)
+        for _ in range(2):  # the second run hits the first one's cached blocks
+            gen = kvserve("generate", "--target", f"127.0.0.1:{port}", prompt, "--max-tokens",
+                          "4", "--json")
+            assert gen.returncode == 0, gen.stderr
+            result = json.loads(gen.stdout)
+            assert len(result["token_ids"]) == 4 and result["finish_reason"] == "length"
+        keys = set(redis.client.scan_iter(match=namespace))
+        assert any(k.endswith(b":blocks:device") for k in keys), keys  # the index is in Redis
+
+        check = kvserve("cache", "check")
+        assert check.returncode == 0 and "matches every replica" in check.stdout, check.stderr
+        [replica] = json.loads(kvserve("status", "--json").stdout)["replicas"]
+        assert 0.3 < replica["prefix_cache_hit_rate"] <= 0.5  # run 2 hit its full blocks
+        assert replica["kv_cached_blocks"] > 0
 
         table = kvserve("status")
         assert table.returncode == 0, table.stderr
-        assert replica["replica_id"] in table.stdout and "KV %" in table.stdout
+        assert replica["replica_id"] in table.stdout and "PREFIX HIT %" in table.stdout
 
         down = kvserve("down")
         assert down.returncode == 0, down.stderr
         assert "stopped the Ray head" in down.stdout
+        assert "deleted its Redis keys" in down.stdout
+        assert list(redis.client.scan_iter(match=namespace)) == []  # acceptance 6
         assert local_head.read_state() is None
         assert not local_head._session_pids(state.head_pid), "Ray processes left behind"
         assert not os.path.exists(state.temp_dir)
@@ -72,6 +88,7 @@ def test_up_detach_status_generate_down(model_dir, tmp_path, monkeypatch):
         again_down = kvserve("down")
         assert again_down.returncode == 1 and "nothing running" in again_down.stderr
     finally:
+        redis.close()
         leftover = local_head.read_state()
         if leftover is not None and leftover.started_head and leftover.head_pid:
             local_head.stop_head(leftover.head_pid, leftover.temp_dir)
@@ -83,7 +100,7 @@ def test_help_explains_detach_status_and_down():
 
     up = run("up", "--help")
     assert up.returncode == 0 and "--detach" in up.stdout and "kvserve down" in up.stdout
-    for command in ("status", "down"):
-        out = run(command, "--help")
+    for command in ("status", "down", "cache check"):
+        out = run(*command.split(), "--help")
         assert out.returncode == 0 and "--address" in out.stdout, out.stderr
     assert "--json" in run("status", "--help").stdout

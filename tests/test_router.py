@@ -266,7 +266,7 @@ def test_routes_to_the_replica_holding_the_longest_prefix(monkeypatch):
         assert sorted(r[0].replica_id.unique_id for r in ranks) == ["a", "b", "c"]
 
     asyncio.run(run())
-    assert names == ["default.Generation"]  # looked up once, by the routed deployment's key (app.deployment)
+    assert names == ["default.Generation"]  # once, by app.deployment
     assert manager.asked[0] == HASHES
 
 
