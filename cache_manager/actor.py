@@ -10,6 +10,7 @@ stops the embedded server and ends the actor.
 from __future__ import annotations
 
 import re
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -64,6 +65,7 @@ class CacheManagerActor:
         deleted = self.manager.delete_all()
         if self.redis.embedded:
             self.redis.stop_server()
+            shutil.rmtree(_embedded_dir(self.deployment), ignore_errors=True)
         ray.actor.exit_actor()
         return deleted
 

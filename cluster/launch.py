@@ -9,6 +9,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from cache_manager import actor as cache_manager
 from cluster.app import GRPC_SERVICER_FUNCTIONS, AppConfig, build_app
 
 APP_NAME = "kvserve"
@@ -48,6 +49,8 @@ def serve_until_interrupted(config_path: str | None, overrides: dict[str, Any],
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     stop.wait()
     print("kvserve: shutting down", flush=True)
+    serve.delete(APP_NAME)  # replicas first: they report to the cache manager until they stop
+    cache_manager.shutdown(cache_manager.deployment_key(APP_NAME, "Generation"))
     serve.shutdown()
     ray.shutdown()
     return 0

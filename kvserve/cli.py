@@ -8,6 +8,7 @@ import json
 import sys
 from typing import Any
 
+from kvserve.eval_cli import add_eval
 from workers.config import EngineConfig, parse_size
 
 
@@ -32,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_status(sub)
     _add_cache(sub)
     _add_bench(sub)
+    add_eval(sub)
     return parser
 
 
@@ -283,6 +285,40 @@ def _add_bench(sub) -> None:
     add_engine_args(t)
     t.set_defaults(run=_run_bench_throughput)
     _add_bench_serve(bench)
+    _add_bench_prefix(bench)
+
+
+def _add_bench_prefix(bench) -> None:
+    b = bench.add_parser(
+        "prefix", help="multi-turn chats: prefix caching on vs off, host KV tier on vs off",
+        description="Multi-turn chats with a growing history, in-process, four settings: no "
+                    "caching vs prefix caching (time to first token per turn, p50), and under "
+                    "memory pressure (a device pool holding --pool-fraction of the working "
+                    "set) the host KV tier vs recompute-only (output tokens/s). Prints the "
+                    "ratios ttft_turn5_ratio and pressure_throughput_ratio.")
+    b.add_argument("--conversations", type=int, default=8)
+    b.add_argument("--turns", type=int, default=5)
+    b.add_argument("--history-tokens", type=int, default=1500,
+                   help="tokens of each chat's first message (its growing history's start)")
+    b.add_argument("--output-len", type=int, default=16, help="tokens per answer (greedy)")
+    b.add_argument("--pool-fraction", type=float, default=0.25,
+                   help="device KV pool under pressure, as a fraction of the working set")
+    b.add_argument("--json", action="store_true",
+                   help="print one JSON object (settings, ttft_turn5_ratio, "
+                        "pressure_throughput_ratio, outputs_identical, config)")
+    add_engine_args(b)
+    b.set_defaults(run=_run_bench_prefix)
+
+
+def _run_bench_prefix(args: argparse.Namespace) -> int:
+    from workers.bench.prefix import run_prefix_bench
+
+    report = run_prefix_bench(
+        engine_config(args), conversations=args.conversations, turns=args.turns,
+        history_tokens=args.history_tokens, output_len=args.output_len,
+        pool_fraction=args.pool_fraction, progress=not args.json)
+    print(json.dumps(report, indent=2) if args.json else report["summary"])
+    return 0
 
 
 def _run_bench_throughput(args: argparse.Namespace) -> int:

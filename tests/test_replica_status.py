@@ -92,7 +92,8 @@ def test_status_table_shows_every_replica_and_dashes_for_missing_rows():
         "replicas": [
             {"replica_id": "aaaa", "deployment": "Generation", "state": "RUNNING", "pid": 11,
              "node_ip": "x", "running": 3, "waiting": 0, "kv_cache_usage": 0.1234,
-             "updated_at": 1.0},
+             "updated_at": 1.0, "kv_host_usage": 0.5, "kv_cached_blocks": 7,
+             "prefix_cache_hit_rate": 0.921},
             {"replica_id": "bbbb", "deployment": "Generation", "state": "RUNNING", "pid": 12,
              "node_ip": "x", "running": None, "waiting": None, "kv_cache_usage": None,
              "updated_at": None},
@@ -103,11 +104,12 @@ def test_status_table_shows_every_replica_and_dashes_for_missing_rows():
     assert "deployment Generation: HEALTHY (RUNNING=2; target 2)" in text
     lines = text.splitlines()
     header = next(line for line in lines if line.startswith("REPLICA"))
-    assert header.split() == ["REPLICA", "PID", "STATE", "RUNNING", "WAITING", "KV", "%"]
+    assert header.split() == ["REPLICA", "PID", "STATE", "RUNNING", "WAITING", "KV", "%", "HOST",
+                              "KV", "%", "CACHED", "PREFIX", "HIT", "%"]
     a = next(line for line in lines if line.startswith("aaaa")).split()
     b = next(line for line in lines if line.startswith("bbbb")).split()
-    assert a == ["aaaa", "11", "RUNNING", "3", "0", "12.3"]
-    assert b == ["bbbb", "12", "RUNNING", "-", "-", "-"]
+    assert a == ["aaaa", "11", "RUNNING", "3", "0", "12.3", "50.0", "7", "92.1"]
+    assert b == ["bbbb", "12", "RUNNING", "-", "-", "-", "-", "-", "-"]
 
 
 def test_up_state_file_round_trip(tmp_path, monkeypatch):

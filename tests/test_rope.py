@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 
+from evals.rope_variants import parse_rope_variant
 from tests.helpers import assert_engine_idle, output_ids
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
@@ -25,15 +26,14 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 TRAINED_LEN = 512  # tiny_config's max_position_embeddings
 MAX_MODEL_LEN = 1024
+# as `kvserve eval recall --rope ...` builds them (evals/rope_variants.py)
 VARIANTS: dict[str, dict[str, Any]] = {
     "none": {"rope_type": "none"},
-    "linear": {"rope_type": "linear", "factor": 2.0},
-    "dynamic": {"rope_type": "dynamic", "factor": 2.0},
-    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": TRAINED_LEN},
-    "llama3": {
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 256,
-    },
+    "linear": parse_rope_variant("linear:2").rope_parameters,
+    "dynamic": parse_rope_variant("dynamic:2").rope_parameters,
+    "yarn": parse_rope_variant(f"yarn:4,original_max_position_embeddings={TRAINED_LEN}")
+    .rope_parameters,
+    "llama3": parse_rope_variant("llama3:8,original_max_position_embeddings=256").rope_parameters,
 }
 POSITIONS = [0, 1, 2, 15, 16, 100, 255, 256, 257, 511, 512, 513, 600, 777, 1023]
 
@@ -176,3 +176,13 @@ def test_engine_config_override_applies_to_a_given_checkpoint() -> None:
     positions = torch.tensor(POSITIONS)
     cos, _ = engine.runner.rope.lookup(positions, [len(POSITIONS)])
     assert not torch.equal(cos, _default_cos_sin(POSITIONS)[0])
+
+
+def test_rope_variant_specs_parse_and_reject_clearly() -> None:
+    assert parse_rope_variant("none").rope_parameters is None
+    assert parse_rope_variant("yarn:2,beta_fast=32").rope_parameters == {
+        "rope_type": "yarn", "factor": 2.0, "beta_fast": 32.0}
+    assert parse_rope_variant("llama3:8").rope_parameters["high_freq_factor"] == 4.0
+    for bad in ("ntk:2", "linear", "linear:x", "yarn:2,beta", "linear:0.5"):
+        with pytest.raises(ValueError, match="--rope"):
+            parse_rope_variant(bad)

@@ -1,0 +1,1 @@
+"""Evaluations: long-context recall under RoPE scaling, and the factual error rate."""

@@ -1,0 +1,127 @@
+"""`kvserve eval recall` and `kvserve eval factuality`: argument parsing for the evals."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from workers.config import parse_size
+
+
+def add_eval(sub) -> None:
+    p = sub.add_parser("eval", help="long-context recall and factual error rate evals")
+    evals = p.add_subparsers(title="evals")
+    _add_recall(evals)
+    _add_factuality(evals)
+    p.set_defaults(run=lambda args: (p.print_help(), 2)[1])
+
+
+def _add_common(p: argparse.ArgumentParser, out: str) -> None:
+    p.add_argument("--model", default=None,
+                   help="local HF model dir or .gguf (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--target", default=None, metavar="HOST:PORT",
+                   help="ask a running deployment (`kvserve up`) instead of loading the model")
+    p.add_argument("--samples", type=int, default=None, help="samples (see the defaults above)")
+    p.add_argument("--seed", type=int, default=0, help="sample construction seed (default 0)")
+    p.add_argument("--out", type=Path, default=Path(out),
+                   help=f"output directory (default {out}); rerunning with it resumes")
+    p.add_argument("--kv-cache-memory", type=parse_size, default=parse_size("4GiB"),
+                   help="in-process KV pool (default 4GiB)")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+
+
+def _add_recall(evals) -> None:
+    r = evals.add_parser(
+        "recall", help="needle-in-a-haystack recall vs context length, per RoPE scaling",
+        description="RULER-style recall (passkey, niah_single, niah_multikey, niah_multivalue, "
+                    "niah_multiquery) at each context length and needle depth, for each RoPE "
+                    "variant. Writes results.json (lm-evaluation-harness shape), samples.jsonl, "
+                    "results.csv, a heatmap per variant, recall_vs_length.png and report.md "
+                    "with each variant's effective context length. Greedy; resumable.")
+    r.add_argument("--tasks", default="passkey,niah_single", type=_words,
+                   help="comma-separated (default passkey,niah_single)")
+    r.add_argument("--lengths", default="1k,2k,4k", type=_lengths,
+                   help="prompt lengths in tokens, e.g. 1k,2k,4k,8k,16k (default 1k,2k,4k)")
+    r.add_argument("--depths", default="0,25,50,75,100", type=_floats,
+                   help="needle depths in percent (default 0,25,50,75,100)")
+    r.add_argument("--rope", default="none", type=_words,
+                   help="RoPE variants: none, linear:F, dynamic:F, yarn:F, llama3:F, with extra "
+                        "keys as yarn:2,beta_fast=32 (default none; separate with ';' when a "
+                        "variant has extra keys, else ',')")
+    r.add_argument("--haystack", default="noise",
+                   help="noise (the passkey filler), prose (shipped Python reference prose) or "
+                        "a path to your own .txt")
+    r.add_argument("--value-kind", default="numbers", choices=["numbers", "words", "uuids"])
+    r.add_argument("--threshold", type=float, default=85.6,
+                   help="effective length: the longest length scoring at least this (0-100)")
+    _add_common(r, "eval-results/recall")
+    r.set_defaults(run=_run_recall)
+
+
+def _add_factuality(evals) -> None:
+    f = evals.add_parser(
+        "factuality", help="factual error rate: closed-book QA and grounded reports",
+        description="Closed-book QA graded without a judge (correct / incorrect / not "
+                    "attempted; factual error rate = incorrect / attempted) and grounded "
+                    "reports checked claim by claim against the facts table in the prompt. "
+                    "--sweep repeats both over sampling settings and plots the error rates.")
+    f.add_argument("--suite", default="closed_book,grounded", type=_words,
+                   help="closed_book, grounded or both (default both)")
+    f.add_argument("--dataset", type=Path, default=None,
+                   help="your closed-book set: JSONL with question and answers (aliases)")
+    f.add_argument("--sweep", default=None,
+                   help="sampling settings to compare, e.g. temperature=0,0.3,0.7,1.0 "
+                        "(several: temperature=0,0.7;top_p=0.9,1.0 gives their product)")
+    _add_common(f, "eval-results/factuality")
+    f.set_defaults(run=_run_factuality)
+
+
+def _run_recall(args: argparse.Namespace) -> int:
+    from evals.recall import RecallConfig, run_recall
+    from evals.rope_variants import parse_rope_variant
+
+    haystack, name = args.haystack, args.haystack
+    if haystack not in ("noise", "prose"):
+        haystack, name = Path(haystack).read_text(), Path(haystack).name
+    cfg = RecallConfig(
+        tasks=args.tasks, lengths=args.lengths, depths=args.depths,
+        variants=[parse_rope_variant(v) for v in args.rope], samples=args.samples or 5,
+        seed=args.seed, haystack=haystack, haystack_name=name, value_kind=args.value_kind,
+        threshold=args.threshold, out=args.out, target=args.target,
+        engine={"model": args.model, "kv_cache_memory": args.kv_cache_memory})
+    report = run_recall(cfg, progress=not args.json)
+    print(json.dumps({k: v for k, v in report.items() if k != "summary"}, indent=2)
+          if args.json else report["summary"])
+    return 0
+
+
+def _run_factuality(args: argparse.Namespace) -> int:
+    from evals.factuality.run import FactualityConfig, parse_sweep, run_factuality
+
+    cfg = FactualityConfig(
+        suites=args.suite, dataset=args.dataset, sweep=parse_sweep(args.sweep),
+        samples=args.samples or 100, seed=args.seed, out=args.out, target=args.target,
+        engine={"model": args.model, "kv_cache_memory": args.kv_cache_memory})
+    report = run_factuality(cfg, progress=not args.json)
+    print(json.dumps({k: v for k, v in report.items() if k != "summary"}, indent=2)
+          if args.json else report["summary"])
+    return 0
+
+
+def _words(text: str) -> list[str]:
+    sep = ";" if ";" in text else ","
+    return [w.strip() for w in text.split(sep) if w.strip()]
+
+
+def _floats(text: str) -> list[float]:
+    return [float(w) for w in _words(text)]
+
+
+def _lengths(text: str) -> list[int]:
+    """'1k,2k,500' -> [1024, 2048, 500] (k = 1,024 tokens: 4k, 8k, 16k are RULER's 4096...)."""
+    out = []
+    for word in _words(text):
+        scale = 1024 if word.lower().endswith("k") else 1
+        out.append(int(float(word.lower().removesuffix("k")) * scale))
+    return out

@@ -1,0 +1,93 @@
+"""Issue #5 end to end on SmolLM2 on the CPU: the eval commands give the same per-sample greedy
+answers as transformers' `generate()` on the same prompts, write every output file, and the
+recall run over gRPC (a local deployment) answers exactly as in-process."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvserve.cli import main
+from tests.serving import serve_locally
+
+RECALL_ARGS = ["eval", "recall", "--tasks", "passkey", "--lengths", "1k,2k", "--depths",
+               "0,50,100", "--samples", "4", "--json"]
+RECALL_FILES = ["results.json", "samples.jsonl", "results.csv", "heatmap_none.png",
+                "recall_vs_length.png", "report.md"]
+
+
+def records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def recall_run(tmp_path_factory, model_dir) -> list[dict]:
+    out = tmp_path_factory.mktemp("recall")
+    assert main([*RECALL_ARGS, "--out", str(out)]) == 0
+    for name in RECALL_FILES:
+        assert (out / name).stat().st_size > 0, name
+    results = json.loads((out / "results.json").read_text())
+    assert set(results) >= {"results", "config", "versions", "n-samples", "date", "git_hash"}
+    assert results["results"]["passkey_2048_none"]["passkey_match,none"] >= 0
+    return records(out)
+
+
+def hf_greedy(hf_model, prompt_ids: list[int], max_tokens: int) -> list[int]:
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_tokens,
+                                do_sample=False, attention_mask=torch.ones(1, len(prompt_ids),
+                                                                           dtype=torch.long))
+    return out[0, len(prompt_ids):].tolist()
+
+
+def test_recall_answers_equal_transformers_generate(recall_run, hf_model, real_engine):
+    from evals.recall_tasks import build_sample
+
+    assert len(recall_run) == 2 * 3 * 4
+    for r in recall_run:
+        sample = build_sample(r["task"], real_engine.tokenizer, r["length"], r["depth"],
+                              r["index"], r["seed"])
+        assert sample.sample_id == r["prompt_hash"]
+        ids = real_engine.tokenizer(sample.prompt).input_ids
+        assert hf_greedy(hf_model, ids, sample.max_tokens) == r["response_token_ids"], r["key"]
+
+
+def test_recall_over_grpc_answers_exactly_as_in_process(recall_run, tmp_path):
+    with serve_locally({"kv_cache_memory": "512MiB"}) as served:
+        assert main([*RECALL_ARGS, "--out", str(tmp_path), "--target", served.target]) == 0
+    remote = {r["key"]: r["response_token_ids"] for r in records(tmp_path)}
+    assert remote == {r["key"]: r["response_token_ids"] for r in recall_run}
+
+
+def test_rope_overrides_with_target_are_refused_with_a_reason(tmp_path, capsys):
+    with pytest.raises(ValueError, match="in-process"):
+        main(["eval", "recall", "--rope", "yarn:2", "--target", "127.0.0.1:1",
+              "--out", str(tmp_path)])
+
+
+@pytest.mark.parametrize("suite,samples", [("closed_book", 30), ("grounded", 4)])
+def test_factuality_answers_equal_transformers_generate(suite, samples, tmp_path, hf_model,
+                                                        real_engine):
+    assert main(["eval", "factuality", "--suite", suite, "--samples", str(samples),
+                 "--out", str(tmp_path), "--json"]) == 0
+    for name in ("results.json", "samples.jsonl", f"results_{suite}.csv",
+                 "error_rate_by_setting.png", "report.md"):
+        assert (tmp_path / name).stat().st_size > 0, name
+    from evals.factuality import closed_book, grounded
+    from evals.factuality.run import MAX_TOKENS
+
+    dataset = {item.id: item for item in closed_book.load_dataset()}
+    got = records(tmp_path)
+    assert len(got) == samples
+    for r in got:
+        if suite == "closed_book":
+            messages = closed_book.prompt_for(dataset[r["sample_id"]])
+        else:
+            messages = grounded.prompt_for(grounded.make_table(r["table_seed"]))
+        ids = real_engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                        return_dict=True)["input_ids"]
+        assert hf_greedy(hf_model, list(ids), MAX_TOKENS[suite]) == r["response_token_ids"], \
+            r["key"]
