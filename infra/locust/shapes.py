@@ -1,0 +1,57 @@
+"""Load shapes for the Locust users: steady, ramp and spike (KVSERVE_SHAPE selects one).
+
+Sizes come from KVSERVE_USERS (peak users, default 8) and KVSERVE_RUN_TIME_S (default 60).
+"""
+
+from __future__ import annotations
+
+import os
+
+from locust import LoadTestShape
+
+
+def _users() -> int:
+    return int(os.environ.get("KVSERVE_USERS", "8"))
+
+
+def _run_time() -> float:
+    return float(os.environ.get("KVSERVE_RUN_TIME_S", "60"))
+
+
+class SteadyShape(LoadTestShape):
+    """All users from the start, for the whole run."""
+
+    def tick(self):
+        if self.get_run_time() > _run_time():
+            return None
+        return _users(), _users()
+
+
+class RampShape(LoadTestShape):
+    """From 1 user up to the peak, linearly over the run."""
+
+    def tick(self):
+        t = self.get_run_time()
+        if t > _run_time():
+            return None
+        return max(1, round(_users() * t / _run_time())), max(1, _users() // 10)
+
+
+class SpikeShape(LoadTestShape):
+    """A quarter of the users, the peak for the middle fifth of the run, then a quarter again."""
+
+    def tick(self):
+        t, total = self.get_run_time(), _run_time()
+        if t > total:
+            return None
+        users = _users() if 0.4 * total <= t < 0.6 * total else max(1, _users() // 4)
+        return users, users
+
+
+SHAPES = {"steady": SteadyShape, "ramp": RampShape, "spike": SpikeShape}
+
+
+def by_name(name: str) -> type[LoadTestShape]:
+    if name not in SHAPES:
+        raise ValueError(f"KVSERVE_SHAPE={name!r}: choose {', '.join(SHAPES)}")
+    return SHAPES[name]
