@@ -8,7 +8,11 @@ import random
 import pytest
 
 from tests.helpers import assert_engine_idle, solo_ids
-from tests.test_prefix_caching import check_cache_ledger
+from tests.test_prefix_caching import (
+    check_cache_ledger,
+    drive_random_traffic,
+    shared_prefix_requests,
+)
 from workers.engine import LLMEngine
 from workers.host_block_pool import HostBlockPool
 from workers.kv_events import KVEvents
@@ -61,33 +65,17 @@ def test_random_traffic_with_host_tier_keeps_both_ledgers_and_every_output(
     seed, make_tiny_engine, one_torch_thread
 ):
     rng = random.Random(seed)
-    prefixes = [[rng.randrange(3, 400) for _ in range(rng.choice([16, 33, 48]))] for _ in range(4)]
-    requests = [{"prompt_token_ids": rng.choice(prefixes) + [rng.randrange(3, 400)
-                                                             for _ in range(rng.randrange(1, 12))],
-                 "params": {"max_tokens": rng.randrange(1, 24), "temperature": 0,
-                            "ignore_eos": True},
-                 "request_id": f"r{i}"} for i in range(40)]
+    requests = shared_prefix_requests(rng, 4)
     cfg = {"num_kv_blocks": 9, "block_size": 16, "max_num_seqs": 4, "max_num_batched_tokens": 40}
     plain = make_tiny_engine(**cfg)
     engine = make_tiny_engine(**cfg, num_host_kv_blocks=12, enable_prefix_caching=True)
     expected = {r["request_id"]: solo_ids(plain, **r) for r in requests}
-    got: dict[str, list[int]] = {}
-    pending, aborted = list(requests), set()
-    while pending or engine.has_unfinished():
-        for _ in range(rng.randrange(0, 3)):
-            if pending:
-                engine.add_request(**pending.pop(0))
-        if engine.requests and rng.random() < 0.05:
-            victim = rng.choice(sorted(engine.requests))
-            engine.abort(victim)
-            aborted.add(victim)
-        for out in engine.step():
-            got.setdefault(out.request_id, []).extend(out.token_ids)
-        check_cache_ledger(engine)
-        check_host_ledger(engine)
-    for rid, ids in got.items():
-        if rid not in aborted:
-            assert ids == expected[rid], rid
+
+    def check(e: LLMEngine) -> None:
+        check_cache_ledger(e)
+        check_host_ledger(e)
+
+    drive_random_traffic(engine, requests, expected, rng, check)
     stats = engine.kv_stats()
     assert stats.blocks_swapped_out > 0 and stats.blocks_swapped_in > 0
     assert stats.blocks_offloaded > 0 and stats.blocks_restored > 0, stats

@@ -104,6 +104,40 @@ def check_cache_ledger(engine: LLMEngine) -> None:
         assert bm.blocks[block_id].block_hash == block_hash
 
 
+def shared_prefix_requests(rng, num_prefixes: int) -> list[dict]:
+    """40 greedy requests over a few shared prompt prefixes, seeded."""
+    prefixes = [[rng.randrange(3, 400) for _ in range(rng.choice([16, 33, 48]))]
+                for _ in range(num_prefixes)]
+    return [{"prompt_token_ids": rng.choice(prefixes) + [rng.randrange(3, 400)
+                                                         for _ in range(rng.randrange(1, 12))],
+             "params": {"max_tokens": rng.randrange(1, 24), "temperature": 0,
+                        "ignore_eos": True},
+             "request_id": f"r{i}"} for i in range(40)]
+
+
+def drive_random_traffic(engine: LLMEngine, requests: list[dict], expected: dict[str, list[int]],
+                         rng, check) -> None:
+    """Add requests a few per step, abort some at random, `check(engine)` after every step;
+    then every request that was not aborted must have produced `expected[id]` (its solo run):
+    nobody got another request's tokens."""
+    got: dict[str, list[int]] = {}
+    pending, aborted = list(requests), set()
+    while pending or engine.has_unfinished():
+        for _ in range(rng.randrange(0, 3)):
+            if pending:
+                engine.add_request(**pending.pop(0))
+        if engine.requests and rng.random() < 0.05:
+            victim = rng.choice(sorted(engine.requests))
+            engine.abort(victim)
+            aborted.add(victim)
+        for out in engine.step():
+            got.setdefault(out.request_id, []).extend(out.token_ids)
+        check(engine)
+    for rid, ids in got.items():
+        if rid not in aborted:
+            assert ids == expected[rid], rid
+
+
 @pytest.mark.parametrize("seed", [7, 11, 23, 42])
 def test_random_shared_prefix_traffic_keeps_the_ledger_and_every_output(
     seed, make_tiny_engine, one_torch_thread
@@ -111,38 +145,10 @@ def test_random_shared_prefix_traffic_keeps_the_ledger_and_every_output(
     import random
 
     rng = random.Random(seed)
-    prefixes = [[rng.randrange(3, 400) for _ in range(rng.choice([16, 33, 48]))] for _ in range(3)]
-    requests = [{"prompt_token_ids": rng.choice(prefixes) + [rng.randrange(3, 400)
-                                                             for _ in range(rng.randrange(1, 12))],
-                 "params": {"max_tokens": rng.randrange(1, 24), "temperature": 0,
-                            "ignore_eos": True},
-                 "request_id": f"r{i}"} for i in range(40)]
+    requests = shared_prefix_requests(rng, 3)
     cfg = {"num_kv_blocks": 9, "block_size": 16, "max_num_seqs": 4, "max_num_batched_tokens": 40}
     plain, cached = make_tiny_engine(**cfg), make_tiny_engine(**cfg, enable_prefix_caching=True)
     expected = {r["request_id"]: solo_ids(plain, **r) for r in requests}
-    got: dict[str, list[int]] = {}
-    pending, aborted = list(requests), set()
-    while pending or cached.has_unfinished():
-        for _ in range(rng.randrange(0, 3)):
-            if pending:
-                cached.add_request(**pending.pop(0))
-        if cached.requests and rng.random() < 0.05:
-            victim = rng.choice(sorted(cached.requests))
-            cached.abort(victim)
-            aborted.add(victim)
-        for out in cached.step():
-            got.setdefault(out.request_id, []).extend(out.token_ids)
-        check_cache_ledger(cached)
-    for rid, ids in got.items():
-        if rid not in aborted:
-            assert ids == expected[rid], rid  # nobody got another request's tokens
+    drive_random_traffic(cached, requests, expected, rng, check_cache_ledger)
     assert cached.scheduler.prefix_hit_tokens > 0 and cached.scheduler.num_preemptions > 0
     assert_engine_idle(cached)
-
-
-def test_cache_salt_travels_from_the_client_to_the_engine_request():
-    from cluster.client import generate_request
-    from cluster.convert import engine_request
-
-    assert engine_request(generate_request("hi", cache_salt="tenant-a"))["cache_salt"] == "tenant-a"
-    assert "cache_salt" not in engine_request(generate_request("hi"))
