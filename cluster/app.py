@@ -45,6 +45,8 @@ class AppConfig(BaseModel):
     max_num_batched_tokens: int = Field(512, ge=1)
     # each replica's admission queue; past it Generate answers RESOURCE_EXHAUSTED
     max_waiting_requests: int = Field(1024, ge=1)
+    # ...and by work: past this many KV pools' worth of waiting requests, RESOURCE_EXHAUSTED too
+    max_waiting_kv_pools: float = Field(4.0, gt=0)
     enable_prefix_caching: bool = True  # reuse KV blocks of equal prompt prefixes
     # host memory per replica for the KV offload tier (demoted cached blocks, swapped requests)
     cpu_offload_memory: str | int = 0
@@ -62,6 +64,7 @@ class AppConfig(BaseModel):
                 "max_num_seqs": self.max_num_seqs,
                 "max_num_batched_tokens": self.max_num_batched_tokens,
                 "max_waiting_requests": self.max_waiting_requests,
+                "max_waiting_kv_pools": self.max_waiting_kv_pools,
                 "enable_prefix_caching": self.enable_prefix_caching,
                 "cpu_offload_memory": self.cpu_offload_memory}
 

@@ -147,3 +147,32 @@ def test_shutdown_ends_open_streams_with_an_error_and_refuses_new_requests(make_
         await engine.shutdown()  # idempotent
 
     asyncio.run(scenario())
+
+
+def test_admission_is_bounded_by_the_kv_the_waiting_requests_need(make_tiny_engine):
+    from workers.errors import QueueFullError
+
+    # 16 blocks of 4 tokens; each request needs 6 (3 + 20 tokens): the limit, one pool's worth,
+    # holds two waiting requests but not a third
+    core = make_tiny_engine(num_kv_blocks=16, block_size=4, max_num_seqs=1,
+                            max_waiting_kv_pools=1.0)
+    params = {"max_tokens": 20, "ignore_eos": True}
+
+    async def scenario() -> None:
+        engine = AsyncLLMEngine(core)
+        streams = [engine.generate(prompt_token_ids=[10 + i, 11, 12], params=params)
+                   for i in range(3)]
+        firsts = [await anext(streams[0])]
+        firsts += [asyncio.create_task(anext(s)) for s in streams[1:]]
+        await asyncio.sleep(0)
+        with pytest.raises(QueueFullError, match="max_waiting_kv_pools=1 x 16 blocks") as err:
+            await anext(engine.generate(prompt_token_ids=[5, 6, 7], params=params))
+        assert (err.value.waiting, err.value.limit) == (18, 16)
+        short = engine.generate(prompt_token_ids=[5], params={"max_tokens": 3})  # 1 block fits
+        await asyncio.gather(*firsts[1:])
+        rest = [[o async for o in s] for s in [*streams, short]]
+        assert all(r[-1].finish_reason == "length" for r in rest)
+        assert_engine_idle(core)
+        await engine.shutdown()
+
+    asyncio.run(scenario())

@@ -40,7 +40,8 @@ class AsyncLLMEngine:
         """Stream a request's outputs; the last one carries finish_reason and usage.
 
         Raises InvalidRequestError on bad input, QueueFullError when `max_waiting_requests`
-        are already waiting, EngineShutdownError once shutdown began (also to open streams).
+        are already waiting or the waiting ones need `max_waiting_kv_pools` pools of KV,
+        EngineShutdownError once shutdown began (also to open streams).
         Leaving the iteration early (break, cancel) aborts the request and frees its KV blocks.
         """
         if self._closed:
@@ -63,12 +64,23 @@ class AsyncLLMEngine:
             if not finished:
                 self._abort_later(seq.request_id)
 
+    def _check_admission(self, seq: Sequence) -> None:
+        """Refuse `seq` when the waiting queue is full, by count or by the KV it will need."""
+        config, blocks = self.engine.config, self.engine.block_manager
+        waiting = [*self.engine.scheduler.waiting, *self._new]
+        if len(waiting) >= config.max_waiting_requests:
+            raise QueueFullError(len(waiting), config.max_waiting_requests)
+        limit = int(config.max_waiting_kv_pools * blocks.num_blocks)
+        needed = sum(_blocks_needed(blocks, s) for s in waiting) + _blocks_needed(blocks, seq)
+        if needed > limit:
+            raise QueueFullError(needed, limit, "KV blocks needed by requests",
+                                 f"max_waiting_kv_pools={config.max_waiting_kv_pools:g} x "
+                                 f"{blocks.num_blocks} blocks")
+
     def _open(self, seq: Sequence) -> asyncio.Queue:
         if seq.request_id in self._streams or seq.request_id in self.engine.requests:
             raise InvalidRequestError("request_id", f"{seq.request_id!r} is already running")
-        waiting = len(self.engine.scheduler.waiting) + len(self._new)
-        if waiting >= self.engine.config.max_waiting_requests:
-            raise QueueFullError(waiting, self.engine.config.max_waiting_requests)
+        self._check_admission(seq)
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[seq.request_id] = stream
         self._new.append(seq)
@@ -145,3 +157,8 @@ class AsyncLLMEngine:
 
 def _no_op() -> None:
     """Queued behind the step in flight on the single step thread: awaiting it waits for it."""
+
+
+def _blocks_needed(blocks, seq: Sequence) -> int:
+    """KV blocks `seq` holds at its longest (prompt + max_tokens)."""
+    return blocks.blocks_needed([], seq.num_prompt_tokens + seq.params.max_tokens)

@@ -34,6 +34,10 @@ class EngineConfig:
     max_num_seqs: int = 64  # sequences per step
     max_num_batched_tokens: int = 512  # token budget per step (chunked prefill beyond it)
     max_waiting_requests: int = 1024  # admission queue bound of the async engine
+    # ...and by work: the KV blocks waiting requests will need (prompt + max_tokens), at most
+    # this many times the pool. Long prompts count for more than short ones, so an overloaded
+    # replica refuses early (RESOURCE_EXHAUSTED) instead of queueing past every deadline
+    max_waiting_kv_pools: float = 4.0
     enable_prefix_caching: bool = False  # reuse cached KV blocks of equal prompt prefixes
     # bytes of host memory for the KV offload tier (pinned on CUDA); 0: no host tier. Cached
     # blocks evicted from the device are demoted there, preempted sequences swapped there
@@ -52,5 +56,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be positive")
         if self.block_size is not None and self.block_size <= 0:
             raise ValueError("block_size must be positive")
+        if self.max_waiting_kv_pools <= 0:
+            raise ValueError("max_waiting_kv_pools must be positive")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")

@@ -20,14 +20,17 @@ class InvalidRequestError(ValueError):
 class QueueFullError(RuntimeError):
     """The admission queue is full: retry later or elsewhere (gRPC ``RESOURCE_EXHAUSTED``)."""
 
-    def __init__(self, waiting: int, limit: int) -> None:
-        super().__init__(f"admission queue full: {waiting} requests waiting "
-                         f"(max_waiting_requests={limit}); retry later")
+    def __init__(self, waiting: int, limit: int, what: str = "requests",
+                 setting: str = "max_waiting_requests") -> None:
+        super().__init__(f"admission queue full: {waiting} {what} waiting "
+                         f"({setting}={limit}); retry later")
         self.waiting = waiting
         self.limit = limit
+        self.what = what
+        self.setting = setting
 
     def __reduce__(self):
-        return type(self), (self.waiting, self.limit)
+        return type(self), (self.waiting, self.limit, self.what, self.setting)
 
 
 class EngineShutdownError(RuntimeError):
