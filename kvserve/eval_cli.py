@@ -17,12 +17,12 @@ def add_eval(sub) -> None:
     p.set_defaults(run=lambda args: (p.print_help(), 2)[1])
 
 
-def _add_common(p: argparse.ArgumentParser, out: str) -> None:
+def _add_common(p: argparse.ArgumentParser, out: str, samples_help: str) -> None:
     p.add_argument("--model", default=None,
                    help="local HF model dir or .gguf (default: SmolLM2-135M-Instruct)")
     p.add_argument("--target", default=None, metavar="HOST:PORT",
                    help="ask a running deployment (`kvserve up`) instead of loading the model")
-    p.add_argument("--samples", type=int, default=None, help="samples (see the defaults above)")
+    p.add_argument("--samples", type=int, default=None, help=samples_help)
     p.add_argument("--seed", type=int, default=0, help="sample construction seed (default 0)")
     p.add_argument("--out", type=Path, default=Path(out),
                    help=f"output directory (default {out}); rerunning with it resumes")
@@ -55,7 +55,7 @@ def _add_recall(evals) -> None:
     r.add_argument("--value-kind", default="numbers", choices=["numbers", "words", "uuids"])
     r.add_argument("--threshold", type=float, default=85.6,
                    help="effective length: the longest length scoring at least this (0-100)")
-    _add_common(r, "eval-results/recall")
+    _add_common(r, "eval-results/recall", "samples per (length, depth) cell (default 5)")
     r.set_defaults(run=_run_recall)
 
 
@@ -73,7 +73,8 @@ def _add_factuality(evals) -> None:
     f.add_argument("--sweep", default=None,
                    help="sampling settings to compare, e.g. temperature=0,0.3,0.7,1.0 "
                         "(several: temperature=0,0.7;top_p=0.9,1.0 gives their product)")
-    _add_common(f, "eval-results/factuality")
+    _add_common(f, "eval-results/factuality",
+                "questions (closed_book) and reports (grounded) per setting (default 100)")
     f.set_defaults(run=_run_factuality)
 
 
