@@ -50,7 +50,8 @@ def lines(path: Path, title: str, xlabel: str, ylabel: str,
 
 
 def _tokens(n: int) -> str:
-    return f"{n / 1000:g}k" if n >= 1000 else str(n)
+    """4096 -> 4k (the CLI's k is 1,024 tokens), 1500 -> 1500."""
+    return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
 
 
 def _save(fig, path: Path) -> Path:
