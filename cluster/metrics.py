@@ -84,7 +84,6 @@ class ServiceMetrics:
         self.running.set(running)
         self.waiting.set(waiting)
         self.kv_usage.set(kv_usage)
-        self.update_kv_cache(engine.kv_stats())
 
     def update_kv_cache(self, stats: KVCacheStats) -> None:
         """Counters grow by what the engine's counters grew since the last call."""
@@ -115,3 +114,4 @@ class ServiceMetrics:
             self.update_gauges(engine)
             yield msg
         self.update_gauges(engine)
+        self.update_kv_cache(engine.kv_stats())  # once per stream: off the per-token path
