@@ -36,6 +36,11 @@ def generate_request(
     return request
 
 
+def finish_reason_name(code: int) -> str:
+    """pb.FINISH_REASON_LENGTH -> "length" (the engine's own names)."""
+    return pb.FinishReason.Name(code).removeprefix("FINISH_REASON_").lower()
+
+
 class Client:
     def __init__(self, target: str, application: str = DEFAULT_APPLICATION,
                  timeout: float | None = None) -> None:

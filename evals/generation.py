@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from cluster.client import Client, finish_reason_name
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
 
@@ -66,8 +67,6 @@ class GrpcGenerator:
     """A running deployment (`kvserve up`), `concurrency` streams at a time."""
 
     def __init__(self, target: str, concurrency: int = 16, timeout_s: float = 3600) -> None:
-        from cluster.client import Client
-
         self.client = Client(target, timeout=timeout_s)
         self.concurrency = concurrency
 
@@ -79,19 +78,13 @@ class GrpcGenerator:
                 result.text += msg.text
                 result.token_ids += list(msg.token_ids)
                 if msg.finish_reason:
-                    result.finish_reason = _finish_name(msg.finish_reason)
+                    result.finish_reason = finish_reason_name(msg.finish_reason)
             if on_done:
                 on_done(result)
             return result
 
         with ThreadPoolExecutor(self.concurrency) as pool:
             return list(pool.map(one, requests))
-
-
-def _finish_name(code: int) -> str:
-    from kvserve.v1 import generation_pb2 as pb
-
-    return pb.FinishReason.Name(code).removeprefix("FINISH_REASON_").lower()
 
 
 def make_generator(config: EngineConfig, target: str | None) -> Generator:

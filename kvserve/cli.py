@@ -118,7 +118,7 @@ def _run_generate(args: argparse.Namespace) -> int:
 def _generate_remote(target: str, prompt: dict, params: dict, as_json: bool) -> int:
     import grpc
 
-    from cluster.client import Client
+    from cluster.client import Client, finish_reason_name
 
     params = {k: v for k, v in params.items() if v is not None and v != []}
     text, ids, last = [], [], None
@@ -139,18 +139,12 @@ def _generate_remote(target: str, prompt: dict, params: dict, as_json: bool) -> 
 
         print(json.dumps({
             "text": "".join(text), "token_ids": ids,
-            "finish_reason": _finish_name(last.finish_reason) if last else None,
+            "finish_reason": finish_reason_name(last.finish_reason) if last else None,
             "usage": MessageToDict(last.usage, preserving_proto_field_name=True) if last else None,
         }))
     else:
         print()
     return 0
-
-
-def _finish_name(code: int) -> str:
-    from kvserve.v1 import generation_pb2 as pb
-
-    return pb.FinishReason.Name(code).removeprefix("FINISH_REASON_").lower()
 
 
 def _add_up(sub) -> None:
