@@ -43,10 +43,17 @@ class AppConfig(BaseModel):
     kv_cache_memory: str | int | None = "1GiB"
     max_num_seqs: int = Field(64, ge=1)
     max_num_batched_tokens: int = Field(512, ge=1)
-    # each replica's admission queue; past it Generate answers RESOURCE_EXHAUSTED
-    max_waiting_requests: int = Field(1024, ge=1)
+    # each replica's admission queue; past it Generate answers RESOURCE_EXHAUSTED at once.
+    # None: max_num_seqs (one batch waits; the excess is refused rather than left to time out)
+    max_waiting_requests: int | None = Field(None, ge=1)
     # ...and by work: past this many KV pools' worth of waiting requests, RESOURCE_EXHAUSTED too
     max_waiting_kv_pools: float = Field(4.0, gt=0)
+    # ...and by time: past this many seconds of queued prompt work at the replica's measured
+    # prompt throughput, RESOURCE_EXHAUSTED too (None: no time bound)
+    max_expected_wait_s: float | None = Field(30.0, gt=0)
+    # while requests decode, prompt chunks are sized so a step takes about this long: admitted
+    # streams keep their inter-token latency while new prompts arrive (None: full budget steps)
+    itl_target_ms: float | None = Field(200.0, gt=0)
     enable_prefix_caching: bool = True  # reuse KV blocks of equal prompt prefixes
     # host memory per replica for the KV offload tier (demoted cached blocks, swapped requests)
     cpu_offload_memory: str | int = 0
@@ -65,6 +72,8 @@ class AppConfig(BaseModel):
                 "max_num_batched_tokens": self.max_num_batched_tokens,
                 "max_waiting_requests": self.max_waiting_requests,
                 "max_waiting_kv_pools": self.max_waiting_kv_pools,
+                "max_expected_wait_s": self.max_expected_wait_s,
+                "itl_target_ms": self.itl_target_ms,
                 "enable_prefix_caching": self.enable_prefix_caching,
                 "cpu_offload_memory": self.cpu_offload_memory}
 

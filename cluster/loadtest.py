@@ -2,8 +2,10 @@
 
 Runs `infra/locust/locustfile.py` in its own process (gevent stays out of ours), writes Locust's
 CSV and HTML reports to `--out`, and summarises them: requests/s, output tokens/s, TTFT and ITL
-p50/p99, failures by gRPC status. Without `--target` it starts a local deployment first
-(`kvserve up --detach`) and stops it afterwards (`kvserve down`).
+p50/p99, failures by gRPC status and how fast they came. Without `--target` it starts a local
+deployment first (`kvserve up --detach`) and stops it afterwards (`kvserve down`). Given a way to
+read the replicas' status rows it also reports their resident memory (soak runs), and given
+several user counts it runs one load per count (the baseline sweep, `loadtest_report`).
 """
 
 from __future__ import annotations
@@ -15,8 +17,12 @@ import re
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+
+from cluster.memory_watch import MemoryWatch, memory_report
 
 LOCUSTFILE = Path(__file__).resolve().parents[1] / "infra" / "locust" / "locustfile.py"
 WORKLOADS = {"short": ["ShortChatUser"], "long": ["LongPromptUser"], "mixed": ["MixedUser"],
@@ -34,6 +40,8 @@ class LoadtestConfig:
     workload: str = "mixed"
     shape: str | None = None  # steady | ramp | spike; None: Locust's own (all users, whole run)
     seed: int = 0
+    timeout_s: float = 600.0  # each stream's gRPC deadline
+    warmup_s: float = 60.0  # memory growth is measured from here (capped at a quarter of the run)
 
 
 @dataclass
@@ -49,6 +57,9 @@ class LoadtestSummary:
     itl_p50_ms: float | None
     itl_p99_ms: float | None
     failures: dict[str, int] = field(default_factory=dict)  # gRPC status -> count
+    # gRPC status -> {"p50", "p99", "max"} ms from request to the error: how fast refusals come
+    failure_latency_ms: dict[str, dict[str, float]] = field(default_factory=dict)
+    replica_memory: list[dict] = field(default_factory=list)  # memory_watch.ReplicaMemory dicts
     files: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -69,7 +80,8 @@ def run_locust(cfg: LoadtestConfig) -> LoadtestSummary:
     cfg.out.mkdir(parents=True, exist_ok=True)
     tokens_file = cfg.out / "tokens.json"
     env = {**os.environ, "KVSERVE_TOKENS_FILE": str(tokens_file), "KVSERVE_SEED": str(cfg.seed),
-           "KVSERVE_USERS": str(cfg.users), "KVSERVE_RUN_TIME_S": str(cfg.run_time_s)}
+           "KVSERVE_USERS": str(cfg.users), "KVSERVE_RUN_TIME_S": str(cfg.run_time_s),
+           "KVSERVE_TIMEOUT_S": str(cfg.timeout_s)}
     if cfg.shape:
         env["KVSERVE_SHAPE"] = cfg.shape
     start = time.monotonic()
@@ -93,8 +105,44 @@ def summarize(cfg: LoadtestConfig, totals: dict, elapsed_s: float) -> LoadtestSu
         ttft_p50_ms=_number(ttft.get("50%")), ttft_p99_ms=_number(ttft.get("99%")),
         itl_p50_ms=_number(itl.get("50%")), itl_p99_ms=_number(itl.get("99%")),
         failures=_failures(cfg.out / "locust_failures.csv"),
+        failure_latency_ms={status: _latency_stats(ms)
+                            for status, ms in sorted(totals.get("failure_ms", {}).items())},
         files=[str(cfg.out / n) for n in ("locust_stats.csv", "locust_stats_history.csv",
                                           "locust_failures.csv", "report.html")])
+
+
+def run_load(cfg: LoadtestConfig,
+             read_rss: Callable[[], dict[str, int]] | None = None) -> LoadtestSummary:
+    """One load; with `read_rss` (replica id -> RSS bytes) the replicas' memory is watched."""
+    watch = MemoryWatch(read_rss) if read_rss else nullcontext()
+    with watch:
+        summary = run_locust(cfg)
+    if read_rss:
+        warmup = min(cfg.warmup_s, cfg.run_time_s / 4)
+        summary.replica_memory = [m.to_dict() for m in memory_report(watch.samples, warmup)]
+    return summary
+
+
+def run_sweep(cfg: LoadtestConfig, user_counts: list[int],
+              read_rss: Callable[[], dict[str, int]] | None = None,
+              wait_idle: Callable[[], None] = lambda: time.sleep(5)) -> list[LoadtestSummary]:
+    """One load per user count, each in `out/users-N/`, the service idle between them."""
+    summaries = []
+    for users in user_counts:
+        point = replace(cfg, users=users, spawn_rate=max(cfg.spawn_rate, users),
+                        out=cfg.out / f"users-{users}")
+        summaries.append(run_load(point, read_rss))
+        wait_idle()
+    return summaries
+
+
+def _latency_stats(values_ms: list[float]) -> dict[str, float]:
+    ordered = sorted(values_ms)
+
+    def at(q: float) -> float:
+        return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 1)
+
+    return {"p50": at(0.50), "p99": at(0.99), "max": round(ordered[-1], 1)}
 
 
 def _read_csv(path: Path) -> list[dict[str, str]]:
@@ -124,7 +172,13 @@ def format_summary(s: LoadtestSummary) -> str:
     def ms(value: float | None) -> str:
         return "-" if value is None else f"{value:.0f} ms"
 
-    failures = ", ".join(f"{k}={v}" for k, v in sorted(s.failures.items())) or "none"
+    failures = ", ".join(
+        f"{k}={v}" + (f" (p99 {s.failure_latency_ms[k]['p99']:.0f} ms)"
+                      if k in s.failure_latency_ms else "")
+        for k, v in sorted(s.failures.items())) or "none"
+    memory = [f"  replica {m['replica_id']} RSS  {m['start_mib']:.0f} -> {m['warm_mib']:.0f} "
+              f"(warm) -> {m['end_mib']:.0f} MiB, {m['growth_after_warmup_pct']:+.1f}% after "
+              f"warm-up" for m in s.replica_memory]
     return "\n".join([
         f"kvserve loadtest: {s.users} users, {s.run_time_s:.0f} s",
         f"  streams            {s.streams} ({s.requests_per_s:.2f}/s)",
@@ -132,5 +186,6 @@ def format_summary(s: LoadtestSummary) -> str:
         f"  TTFT p50 / p99     {ms(s.ttft_p50_ms)} / {ms(s.ttft_p99_ms)}",
         f"  ITL p50 / p99      {ms(s.itl_p50_ms)} / {ms(s.itl_p99_ms)}",
         f"  failures           {failures}",
+        *memory,
         f"  reports            {Path(s.files[0]).parent}/ (locust_*.csv, report.html)",
     ])

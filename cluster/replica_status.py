@@ -33,6 +33,7 @@ class ReplicaStatus:
     waiting: int  # requests waiting for admission
     kv_cache_usage: float  # fraction of KV blocks in use, 0-1
     updated_at: float  # unix time
+    rss_bytes: int = 0  # the replica process's resident memory (soak tests watch it)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -47,7 +48,7 @@ class ReplicaStatus:
             replica_id=str(values["replica_id"]), pid=int(values["pid"]),
             node_ip=str(values["node_ip"]), running=int(values["running"]),
             waiting=int(values["waiting"]), kv_cache_usage=float(values["kv_cache_usage"]),
-            updated_at=float(values["updated_at"]),
+            updated_at=float(values["updated_at"]), rss_bytes=int(values.get("rss_bytes", 0)),
         )
 
 
@@ -131,7 +132,7 @@ class StatusPublisher:
     def current(self) -> ReplicaStatus:
         running, waiting, usage = self.snapshot()
         return ReplicaStatus(self.replica_id, self.pid, self.node_ip, int(running), int(waiting),
-                             float(usage), time.time())
+                             float(usage), time.time(), _resident_bytes())
 
     def publish_once(self) -> None:
         try:
@@ -154,6 +155,12 @@ class StatusPublisher:
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
             self.publish_once()
+
+
+def _resident_bytes() -> int:
+    import psutil  # a Ray dependency
+
+    return int(psutil.Process().memory_info().rss)
 
 
 def _replica_id() -> str:

@@ -42,7 +42,7 @@ def _target(address: str | None) -> tuple[str, local_head.UpState | None]:
     return found, None
 
 
-def _connect(address: str | None) -> tuple[str, local_head.UpState | None]:
+def connect(address: str | None) -> tuple[str, local_head.UpState | None]:
     target, state = _target(address)
     if not local_head.reachable(target):
         raise NothingRunning(f"no Ray cluster at {target}")
@@ -89,6 +89,7 @@ def collect_status(app_name: str = APP_NAME) -> dict[str, Any] | None:
                 "pid": r.pid, "node_ip": r.node_ip,
                 "running": row.running if row else None, "waiting": row.waiting if row else None,
                 "kv_cache_usage": row.kv_cache_usage if row else None,
+                "rss_mib": round(row.rss_bytes / 1024**2) if row and row.rss_bytes else None,
                 "updated_at": row.updated_at if row else None,
                 **_cache_columns(cache.get(r.replica_id)),
             })
@@ -125,7 +126,7 @@ def _cache_columns(usage: dict | None) -> dict[str, Any]:
 
 def status(address: str | None, as_json: bool) -> int:
     try:
-        target, state = _connect(address)
+        target, state = connect(address)
     except NothingRunning as exc:
         print(f"kvserve: nothing deployed: {exc}", file=sys.stderr)
         return 1
@@ -156,11 +157,12 @@ def format_status(report: dict[str, Any]) -> str:
         lines.append(f"deployment {name}: {dep['status']} ({counts or 'no replicas'}; "
                      f"target {dep['target_replicas']})")
     header = ("REPLICA", "PID", "STATE", "RUNNING", "WAITING", "KV %", "HOST KV %", "CACHED",
-              "PREFIX HIT %")
+              "PREFIX HIT %", "RSS MiB")
     table = [header] + [(
         r["replica_id"], str(r["pid"] or "-"), r["state"], _or_dash(r["running"]),
         _or_dash(r["waiting"]), _percent(r["kv_cache_usage"]), _percent(r.get("kv_host_usage")),
         _or_dash(r.get("kv_cached_blocks")), _percent(r.get("prefix_cache_hit_rate")),
+        _or_dash(r.get("rss_mib")),
     ) for r in report["replicas"]]
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     lines.append("")
@@ -180,7 +182,7 @@ def _percent(fraction: float | None) -> str:
 # -- cache check ----------------------------------------------------------------------------
 def cache_check(address: str | None, as_json: bool) -> int:
     try:
-        _connect(address)
+        connect(address)
     except NothingRunning as exc:
         print(f"kvserve: nothing deployed: {exc}", file=sys.stderr)
         return 1
@@ -197,7 +199,7 @@ def cache_check(address: str | None, as_json: bool) -> int:
 # -- down ----------------------------------------------------------------------------------
 def down(address: str | None) -> int:
     try:
-        target, state = _connect(address)
+        target, state = connect(address)
     except NothingRunning as exc:
         print(f"kvserve: nothing running: {exc}", file=sys.stderr)
         return 1

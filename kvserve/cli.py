@@ -6,10 +6,10 @@ import argparse
 import asyncio
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
 from kvserve.eval_cli import add_eval
+from kvserve.loadtest_cli import add_loadtest
 from workers.config import EngineConfig, parse_size
 
 
@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_cache(sub)
     _add_bench(sub)
     add_eval(sub)
-    _add_loadtest(sub)
+    add_loadtest(sub)
     return parser
 
 
@@ -231,65 +231,6 @@ def _add_cache(sub) -> None:
                    help='print {"deployment": ..., "discrepancies": [...]}')
     c.set_defaults(run=lambda args: _status_cli().cache_check(args.address, args.json))
     p.set_defaults(run=lambda args: (p.print_help(), 2)[1])
-
-
-def _add_loadtest(sub) -> None:
-    p = sub.add_parser(
-        "loadtest", help="headless Locust load over gRPC, with a one-screen summary",
-        description="Stream Generate over gRPC from Locust users (infra/locust/locustfile.py), "
-                    "headless, then print requests/s, output tokens/s, TTFT and ITL p50/p99 "
-                    "and failures by gRPC status. Locust's CSV and HTML reports go to --out. "
-                    "Without --target a local 1-replica deployment is started first and "
-                    "stopped afterwards.")
-    p.add_argument("--users", type=int, default=8, help="concurrent users (default 8)")
-    p.add_argument("--spawn-rate", type=float, default=8.0, help="users started per second")
-    p.add_argument("--run-time", default="60s", help="e.g. 30s, 10m (default 60s)")
-    p.add_argument("--workload", default="mixed",
-                   choices=["short", "long", "mixed", "multiturn", "all"],
-                   help="short chat, ~2,000-token prompts, mixed lengths, or multi-turn chats "
-                        "with shared prefixes (default mixed)")
-    p.add_argument("--shape", default=None, choices=["steady", "ramp", "spike"],
-                   help="load shape over the run (default: all users for the whole run)")
-    p.add_argument("--target", default=None, metavar="HOST:PORT",
-                   help="a running deployment (default: start a local one)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=Path("loadtest-results"),
-                   help="directory for Locust's reports (default loadtest-results)")
-    p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
-    p.set_defaults(run=_run_loadtest)
-
-
-def _run_loadtest(args: argparse.Namespace) -> int:
-    from cluster.loadtest import LoadtestConfig, format_summary, run_locust
-
-    target, started = args.target, False
-    if target is None:
-        from cluster.launch import deploy_detached
-        from cluster.local_head import free_port
-
-        port = free_port()
-        if deploy_detached(None, {"replicas": 1}, port) != 0:
-            return 1
-        target, started = f"127.0.0.1:{port}", True
-    try:
-        summary = run_locust(LoadtestConfig(
-            target=target, out=args.out, users=args.users, spawn_rate=args.spawn_rate,
-            run_time_s=_seconds(args.run_time), workload=args.workload, shape=args.shape,
-            seed=args.seed))
-    finally:
-        if started:
-            _status_cli().down(None)
-    (args.out / "summary.json").write_text(json.dumps(summary.to_dict(), indent=2) + "\n")
-    print(json.dumps(summary.to_dict(), indent=2) if args.json else format_summary(summary))
-    return 0
-
-
-def _seconds(text: str) -> float:
-    """'30s', '10m', '1h' or a plain number of seconds."""
-    units = {"s": 1, "m": 60, "h": 3600}
-    if text and text[-1] in units:
-        return float(text[:-1]) * units[text[-1]]
-    return float(text)
 
 
 def _status_cli():

@@ -155,7 +155,7 @@ def test_admission_is_bounded_by_the_kv_the_waiting_requests_need(make_tiny_engi
     # 16 blocks of 4 tokens; each request needs 6 (3 + 20 tokens): the limit, one pool's worth,
     # holds two waiting requests but not a third
     core = make_tiny_engine(num_kv_blocks=16, block_size=4, max_num_seqs=1,
-                            max_waiting_kv_pools=1.0)
+                            max_waiting_requests=8, max_waiting_kv_pools=1.0)
     params = {"max_tokens": 20, "ignore_eos": True}
 
     async def scenario() -> None:
@@ -176,3 +176,69 @@ def test_admission_is_bounded_by_the_kv_the_waiting_requests_need(make_tiny_engi
         await engine.shutdown()
 
     asyncio.run(scenario())
+
+
+def test_admission_is_bounded_by_the_expected_wait_for_the_prompts_ahead(make_tiny_engine):
+    from workers.errors import QueueFullError
+    from workers.prefill_rate import PrefillRate
+
+    core = make_tiny_engine(max_num_batched_tokens=16, max_expected_wait_s=1.0)
+    # as if measured at 100 prompt tokens/s (smoothing 0 keeps it while the tiny model runs)
+    core.prefill_rate = PrefillRate(budget=16, smoothing=0.0, tokens_per_s=100.0)
+    long_prompt = [10 + i % 50 for i in range(300)]  # 19 steps of 16 tokens: 3 s at 100 tok/s
+    params = {"max_tokens": 4, "ignore_eos": True}
+
+    async def scenario() -> None:
+        engine = AsyncLLMEngine(core)
+        first = engine.generate(prompt_token_ids=long_prompt, params=params)  # idle: admitted
+        first_out = asyncio.create_task(anext(first))
+        await asyncio.sleep(0)
+        with pytest.raises(QueueFullError, match=r"prompt work .* \(max_expected_wait_s=1\)"):
+            await anext(engine.generate(prompt_token_ids=[5, 6, 7], params=params))
+        await first_out
+        rest = [o async for o in first]
+        assert rest[-1].finish_reason == "length"
+        after = [o async for o in engine.generate(prompt_token_ids=[5, 6, 7], params=params)]
+        assert after[-1].finish_reason == "length"  # nothing ahead any more
+        assert_engine_idle(core)
+        await engine.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_prefill_rate_learns_from_full_steps_and_shares_the_budget_with_decodes():
+    from workers.prefill_rate import PrefillRate
+
+    rate = PrefillRate(budget=512, smoothing=0.5)
+    assert rate.seconds_for(1000) is None  # nothing measured: no time bound yet
+    rate.observe(tokens=8, seconds=0.1)  # a decode step says nothing about prompt throughput
+    assert rate.tokens_per_s is None
+    rate.observe(tokens=512, seconds=1.0)
+    rate.observe(tokens=400, seconds=0.5)
+    assert rate.tokens_per_s == pytest.approx(656)  # 512 + 0.5 * (800 - 512)
+    assert rate.seconds_for(656) == pytest.approx(1.0)
+    assert rate.seconds_for(656, decoding=256) == pytest.approx(2.0)  # half the budget decodes
+
+
+def test_while_a_request_decodes_prompt_chunks_fit_the_itl_target(make_tiny_engine):
+    from workers.prefill_rate import PrefillRate
+    from workers.sampling_params import SamplingParams
+
+    engine = make_tiny_engine(itl_target_ms=200.0)  # 512-token budget by default
+    engine.prefill_rate = PrefillRate(budget=512, smoothing=0.0, tokens_per_s=100.0)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    engine.add_request(prompt_token_ids=[5, 6, 7], params=params, request_id="decoding")
+    engine.step()  # its whole prompt: nothing was decoding, so the full budget
+    engine.add_request(prompt_token_ids=list(range(10, 310)), params=params, request_id="long")
+    long_seq = engine.requests["long"].seq
+    for _ in range(3):
+        before = long_seq.num_computed_tokens
+        outs = {o.request_id for o in engine.step()}
+        assert "decoding" in outs  # a token every step
+        assert long_seq.num_computed_tokens - before == 19  # 100 tok/s x 0.2 s, less 1 decode
+    while engine.has_unfinished():
+        engine.step()
+    assert_engine_idle(engine)
+    assert PrefillRate(budget=512, tokens_per_s=1e5).token_budget(3, 200.0) == 512  # a GPU
+    assert PrefillRate(budget=512, tokens_per_s=10.0).token_budget(3, 200.0) == 19  # 3 + 16
+    assert PrefillRate(budget=512, tokens_per_s=100.0).token_budget(0, 200.0) == 512  # no decode

@@ -1,6 +1,7 @@
-"""`kvserve loadtest` (issue #6): 30 s of headless Locust, 8 users streaming over gRPC into a
-1-replica local deployment: no failures, TTFT and stream entries in Locust's CSV, and the
-service's own generated-token counter agrees with the tokens Locust received."""
+"""`kvserve loadtest` (issue #6) against a real 1-replica deployment over gRPC: 30 s of 8 users
+(no failures, Locust's CSV has the TTFT and stream entries, the service's own generated-token
+counter agrees with Locust's), and an overload (admission control refuses the excess fast and
+leaves nothing behind)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 import subprocess
 import time
 
+from kvserve.v1 import generation_pb2 as pb
 from tests.serving import serve_locally
 from tests.test_cli import KVSERVE
 
@@ -49,3 +51,38 @@ def test_loadtest_help_explains_itself():
     assert out.returncode == 0
     for flag in ("--users", "--spawn-rate", "--run-time", "--workload", "--target", "--out"):
         assert flag in out.stdout
+
+
+def test_overload_refuses_fast_keeps_the_admitted_and_leaves_nothing_behind(tmp_path):
+    """48 users against a replica that runs 4 and queues 4, for 60 s: the rest are refused with
+    RESOURCE_EXHAUSTED within a tenth of their deadline, nothing else fails, admitted streams
+    complete, and afterwards the replica is idle with no KV in use and serves the next request."""
+    deadline_s = 60
+    app = {"kv_cache_memory": "256MiB", "max_num_seqs": 4, "max_waiting_requests": 4}
+    with serve_locally(app) as served:
+        done = subprocess.run([*KVSERVE, "loadtest", "--target", served.target, "--users", "48",
+                               "--spawn-rate", "48", "--run-time", "60s", "--workload", "short",
+                               "--timeout", str(deadline_s), "--out", str(tmp_path), "--json"],
+                              capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stderr[-3000:]
+        summary = json.loads(done.stdout)
+        status = _wait_idle(served.handle)
+        assert served.stream("Hello", max_tokens=4)[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    assert set(summary["failures"]) == {"RESOURCE_EXHAUSTED"}, summary["failures"]
+    refused = summary["failure_latency_ms"]["RESOURCE_EXHAUSTED"]
+    assert summary["failures"]["RESOURCE_EXHAUSTED"] > 48, summary  # refused again after backoff
+    assert refused["p99"] < 0.1 * deadline_s * 1000, refused
+    rows = {r["Name"]: r for r in csv.DictReader((tmp_path / "locust_stats.csv").open())}
+    completed = int(rows["stream"]["Request Count"]) - int(rows["stream"]["Failure Count"])
+    assert completed >= 8 and summary["output_tokens"] > 0, summary  # admitted ones finish
+    assert (status["running"], status["waiting"], status["kv_cache_usage"]) == (0, 0, 0.0)
+
+
+def _wait_idle(handle, timeout_s: float = 60) -> dict:
+    deadline = time.monotonic() + timeout_s
+    status = handle.status.remote().result()
+    while (status["running"] or status["waiting"] or status["kv_cache_usage"]) and (
+            time.monotonic() < deadline):
+        time.sleep(0.5)
+        status = handle.status.remote().result()
+    return status

@@ -40,7 +40,8 @@ class AsyncLLMEngine:
         """Stream a request's outputs; the last one carries finish_reason and usage.
 
         Raises InvalidRequestError on bad input, QueueFullError when `max_waiting_requests`
-        are already waiting or the waiting ones need `max_waiting_kv_pools` pools of KV,
+        are already waiting, the waiting ones need `max_waiting_kv_pools` pools of KV or the
+        prompt work ahead would take more than `max_expected_wait_s`,
         EngineShutdownError once shutdown began (also to open streams).
         Leaving the iteration early (break, cancel) aborts the request and frees its KV blocks.
         """
@@ -68,14 +69,30 @@ class AsyncLLMEngine:
         """Refuse `seq` when the waiting queue is full, by count or by the KV it will need."""
         config, blocks = self.engine.config, self.engine.block_manager
         waiting = [*self.engine.scheduler.waiting, *self._new]
-        if len(waiting) >= config.max_waiting_requests:
-            raise QueueFullError(len(waiting), config.max_waiting_requests)
+        # a burst on an idle replica fills the free batch slots first; only the rest must queue
+        free_slots = max(0, config.max_num_seqs - len(self.engine.scheduler.running))
+        if len(waiting) - free_slots >= config.max_waiting_requests:
+            raise QueueFullError(max(0, len(waiting) - free_slots), config.max_waiting_requests)
         limit = int(config.max_waiting_kv_pools * blocks.num_blocks)
         needed = sum(_blocks_needed(blocks, s) for s in waiting) + _blocks_needed(blocks, seq)
         if needed > limit:
             raise QueueFullError(needed, limit, "KV blocks needed by requests",
                                  f"max_waiting_kv_pools={config.max_waiting_kv_pools:g} x "
                                  f"{blocks.num_blocks} blocks")
+        self._check_expected_wait(waiting)
+
+    def _check_expected_wait(self, waiting: list[Sequence]) -> None:
+        """Refuse when the prompt work ahead would outlast `max_expected_wait_s` (a new request
+        on an idle replica is always admitted, however long its own prompt)."""
+        limit, running = self.engine.config.max_expected_wait_s, self.engine.scheduler.running
+        ahead = sum(max(0, s.num_tokens - s.num_computed_tokens) for s in [*running, *waiting])
+        decoding = sum(s.num_computed_tokens >= s.num_prompt_tokens for s in running)
+        wait = self.engine.prefill_rate.seconds_for(ahead, decoding)
+        if limit is not None and wait is not None and wait > limit:
+            rate = self.engine.prefill_rate.tokens_per_s
+            raise QueueFullError(round(wait), round(limit),
+                                 f"s of prompt work ({ahead} tokens at {rate:.0f} tokens/s)",
+                                 "max_expected_wait_s")
 
     def _open(self, seq: Sequence) -> asyncio.Queue:
         if seq.request_id in self._streams or seq.request_id in self.engine.requests:

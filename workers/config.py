@@ -33,11 +33,19 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # exact pool size in blocks, overriding the memory budget
     max_num_seqs: int = 64  # sequences per step
     max_num_batched_tokens: int = 512  # token budget per step (chunked prefill beyond it)
-    max_waiting_requests: int = 1024  # admission queue bound of the async engine
+    # admission queue bound of the async engine; None: max_num_seqs, so a waiting request
+    # waits about one request's lifetime at most and the excess is refused at once
+    max_waiting_requests: int | None = None
     # ...and by work: the KV blocks waiting requests will need (prompt + max_tokens), at most
     # this many times the pool. Long prompts count for more than short ones, so an overloaded
     # replica refuses early (RESOURCE_EXHAUSTED) instead of queueing past every deadline
     max_waiting_kv_pools: float = 4.0
+    # ...and by time: refuse when the prompt work queued ahead of a request would take longer
+    # than this at the measured prompt throughput (PrefillRate); None: no time bound
+    max_expected_wait_s: float | None = 30.0
+    # while requests decode, size prompt chunks so a step takes about this long (their
+    # inter-token latency) at the measured throughput; None: always max_num_batched_tokens
+    itl_target_ms: float | None = None
     enable_prefix_caching: bool = False  # reuse cached KV blocks of equal prompt prefixes
     # bytes of host memory for the KV offload tier (pinned on CUDA); 0: no host tier. Cached
     # blocks evicted from the device are demoted there, preempted sequences swapped there
@@ -51,6 +59,8 @@ class EngineConfig:
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_size(self.kv_cache_memory)
         self.cpu_offload_memory = parse_size(self.cpu_offload_memory or 0)
+        if self.max_waiting_requests is None:
+            self.max_waiting_requests = self.max_num_seqs
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting_requests"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
@@ -58,5 +68,8 @@ class EngineConfig:
             raise ValueError("block_size must be positive")
         if self.max_waiting_kv_pools <= 0:
             raise ValueError("max_waiting_kv_pools must be positive")
+        for name in ("max_expected_wait_s", "itl_target_ms"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive (or None)")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")

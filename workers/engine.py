@@ -25,6 +25,7 @@ from workers.loader import LoadedCheckpoint, load_checkpoint, with_rope_override
 from workers.model import CausalLM, onednn_available
 from workers.model_runner import ModelRunner
 from workers.outputs import KVCacheStats, RequestOutput, Usage
+from workers.prefill_rate import PrefillRate
 from workers.rope import RotaryEmbedding
 from workers.sampler import TokenLogprobs, sample
 from workers.sampling_params import SamplingParams
@@ -88,6 +89,7 @@ class LLMEngine:
             num_blocks, block_size, enable_caching=_prefix_caching(config, ckpt.config),
             host=host, events=self.kv_events)
         self.swap_seconds = 0.0  # time spent in KV copies between device and host
+        self.prefill_rate = PrefillRate(config.max_num_batched_tokens)
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
         )
@@ -210,13 +212,17 @@ class LLMEngine:
 
     # -- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        scheduled = self.scheduler.schedule()
+        budget = self.prefill_rate.token_budget(self.scheduler.num_decoding(),
+                                                self.config.itl_target_ms)
+        scheduled = self.scheduler.schedule(budget)
         self._run_copies()
         if not scheduled.chunks:
             return []
+        start = time.perf_counter()
         logits, sampling = self.runner.execute(scheduled.chunks)
         seqs = [c.seq for c in sampling]
         tokens, logprobs = sample(logits, seqs)
+        self.prefill_rate.observe(scheduled.num_tokens, time.perf_counter() - start, budget)
         for chunk in scheduled.chunks:  # only once nothing above can fail
             chunk.seq.num_computed_tokens += chunk.num_tokens
         self.scheduler.cache_full_blocks([c.seq for c in scheduled.chunks])

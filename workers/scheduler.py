@@ -56,15 +56,20 @@ class Scheduler:
         self.prefix_queried_tokens = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hit_tokens = 0  # of which were found cached
 
+    def num_decoding(self) -> int:
+        """Running sequences whose next step computes one new token."""
+        return sum(s.num_tokens - s.num_computed_tokens == 1 for s in self.running)
+
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, budget: int | None = None) -> SchedulerOutput:
+        """This step's chunks, within `budget` tokens (default max_num_batched_tokens)."""
         out = SchedulerOutput()
-        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        budget = self._schedule_running(out, budget or self.max_num_batched_tokens)
         if not out.preempted:  # under memory pressure, admit nobody new this step
             self._schedule_waiting(out, budget)
         return out

@@ -9,7 +9,11 @@ per second, shown in Locust's time columns). A failed stream is a `stream` failu
 gRPC status code (e.g. RESOURCE_EXHAUSTED). One channel per user, reused across its requests.
 Workloads: ShortChatUser, LongPromptUser, MixedUser, MultiTurnUser (tags short, long, mixed,
 multiturn), each seeded. Load shapes: KVSERVE_SHAPE=steady|ramp|spike (see shapes.py).
-KVSERVE_TOKENS_FILE, if set, receives the total output tokens received (kvserve loadtest).
+A user whose stream was refused (RESOURCE_EXHAUSTED, UNAVAILABLE) backs off exponentially with
+jitter before its next request, as gRPC's retry policy would (KVSERVE_BACKOFF_S, default 0.5 s,
+doubling up to 8 s); KVSERVE_TIMEOUT_S is each stream's deadline (default 600 s).
+KVSERVE_TOKENS_FILE, if set, receives the totals (output tokens, streams, and each failure's
+latency by status) for `kvserve loadtest`.
 """
 
 from __future__ import annotations
@@ -40,7 +44,10 @@ from kvserve.v1 import generation_pb2_grpc as pb_grpc  # noqa: E402
 
 METADATA = (("application", os.environ.get("KVSERVE_APPLICATION", "kvserve")),)
 SEED = int(os.environ.get("KVSERVE_SEED", "0"))
-TOTALS = {"output_tokens": 0, "streams": 0}
+TIMEOUT_S = float(os.environ.get("KVSERVE_TIMEOUT_S", "600"))
+BACKOFF_S, MAX_BACKOFF_S = float(os.environ.get("KVSERVE_BACKOFF_S", "0.5")), 8.0
+RETRYABLE = {"RESOURCE_EXHAUSTED", "UNAVAILABLE"}
+TOTALS: dict = {"output_tokens": 0, "streams": 0, "failure_ms": {}}  # failure_ms: status -> [ms]
 _USER_NUMBERS = itertools.count()  # seeds users by spawn order, so runs repeat
 
 if os.environ.get("KVSERVE_SHAPE"):
@@ -58,6 +65,12 @@ class KvserveUser(User):
         self.channel = grpc.insecure_channel(self.host)
         self.stub = pb_grpc.GenerationStub(self.channel)
         self.rng = random.Random(f"{SEED}:{type(self).__name__}:{next(_USER_NUMBERS)}")
+        self.refusals = 0  # consecutive refused streams, for the backoff
+
+    def wait_time(self) -> float:
+        if not self.refusals:
+            return 0.0
+        return min(MAX_BACKOFF_S, BACKOFF_S * 2 ** (self.refusals - 1)) * self.rng.uniform(0.5, 1)
 
     def on_stop(self) -> None:
         self.channel.close()
@@ -68,7 +81,7 @@ class KvserveUser(User):
         start = last = time.perf_counter()
         gaps, tokens, text, ttft = [], 0, [], None
         try:
-            for response in self.stub.Generate(message, metadata=METADATA, timeout=600):
+            for response in self.stub.Generate(message, metadata=METADATA, timeout=TIMEOUT_S):
                 now = time.perf_counter()
                 if response.token_ids:
                     if ttft is None:
@@ -80,13 +93,18 @@ class KvserveUser(User):
                     last = now
                 text.append(response.text)
         except grpc.RpcError as exc:
-            _fire("stream", time.perf_counter() - start, tokens,
-                  GrpcStreamError(exc.code().name))
+            self._failed(exc.code().name, time.perf_counter() - start, tokens)
             return ""
         finally:
             TOTALS["output_tokens"] += tokens
+        self.refusals = 0
         _report_stream(time.perf_counter() - start, tokens, gaps)
         return "".join(text)
+
+    def _failed(self, status: str, seconds: float, tokens: int) -> None:
+        _fire("stream", seconds, tokens, GrpcStreamError(status))
+        TOTALS["failure_ms"].setdefault(status, []).append(1000 * seconds)
+        self.refusals = self.refusals + 1 if status in RETRYABLE else 0
 
 
 def _report_stream(total_s: float, tokens: int, gaps: list[float]) -> None:

@@ -1,0 +1,91 @@
+"""Replica resident memory over a load test, for soak runs.
+
+`MemoryWatch` samples every replica's published status row (`cluster.replica_status`, which
+carries the process's RSS) from a daemon thread while a load runs; `memory_report` turns the
+samples into start / after-warm-up / end per replica and the growth after warm-up, the number a
+soak test bounds (memory allocated while warming up, such as allocator pools and compiled
+kernels, is expected; growth after it is a leak).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+MiB = 1024**2
+
+
+@dataclass(frozen=True)
+class MemorySample:
+    t_s: float  # seconds since the watch started
+    replica_id: str
+    rss_bytes: int
+
+
+@dataclass(frozen=True)
+class ReplicaMemory:
+    replica_id: str
+    start_mib: float
+    warm_mib: float  # the first sample at or after the warm-up
+    end_mib: float
+    growth_after_warmup_pct: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class MemoryWatch:
+    """Samples `read_rows()` (replica id -> RSS bytes) every `interval_s` until stopped."""
+
+    def __init__(self, read_rows: Callable[[], dict[str, int]], interval_s: float = 5.0) -> None:
+        self.read_rows, self.interval_s = read_rows, interval_s
+        self.samples: list[MemorySample] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvserve-memory-watch",
+                                        daemon=True)
+        self._start = 0.0
+
+    def __enter__(self) -> MemoryWatch:
+        self._start = time.monotonic()
+        self._sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._sample()
+
+    def _sample(self) -> None:
+        now = time.monotonic() - self._start
+        for replica_id, rss in self.read_rows().items():
+            if rss > 0:
+                self.samples.append(MemorySample(now, replica_id, rss))
+
+
+def memory_report(samples: list[MemorySample], warmup_s: float) -> list[ReplicaMemory]:
+    """Per replica: RSS at the first sample, the first sample after `warmup_s`, and the last."""
+    by_replica: dict[str, list[MemorySample]] = {}
+    for sample in sorted(samples, key=lambda s: s.t_s):
+        by_replica.setdefault(sample.replica_id, []).append(sample)
+    report = []
+    for replica_id, series in sorted(by_replica.items()):
+        warm = next((s for s in series if s.t_s >= warmup_s), series[-1])
+        end = series[-1]
+        report.append(ReplicaMemory(
+            replica_id, series[0].rss_bytes / MiB, warm.rss_bytes / MiB, end.rss_bytes / MiB,
+            100.0 * (end.rss_bytes - warm.rss_bytes) / warm.rss_bytes))
+    return report
+
+
+def replica_rss_from_ray() -> dict[str, int]:
+    """Replica id -> RSS from the status rows in Ray's GCS (needs a connected driver)."""
+    from cluster import replica_status
+
+    return {rid: row.rss_bytes for rid, row in replica_status.read_current().items()}
