@@ -52,8 +52,10 @@ class AppConfig(BaseModel):
     # prompt throughput, RESOURCE_EXHAUSTED too (None: no time bound)
     max_expected_wait_s: float | None = Field(30.0, gt=0)
     # while requests decode, prompt chunks are sized so a step takes about this long: admitted
-    # streams keep their inter-token latency while new prompts arrive (None: full budget steps)
-    itl_target_ms: float | None = Field(200.0, gt=0)
+    # streams keep their inter-token latency while new prompts arrive (None: full budget steps).
+    # Opt-in: chunk boundaries then depend on the load, and with them float rounding, so a
+    # greedy answer at a near-tie can differ from the in-process engine's
+    itl_target_ms: float | None = Field(None, gt=0)
     enable_prefix_caching: bool = True  # reuse KV blocks of equal prompt prefixes
     # host memory per replica for the KV offload tier (demoted cached blocks, swapped requests)
     cpu_offload_memory: str | int = 0

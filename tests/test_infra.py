@@ -66,7 +66,7 @@ def test_every_infra_file_parses():
             docs = list(yaml.safe_load_all(path.read_text()))
             assert docs and all(isinstance(d, dict) for d in docs if d is not None), relative
         elif path.suffix == ".json":
-            assert isinstance(json.loads(path.read_text()), dict), relative
+            assert isinstance(json.loads(path.read_text()), dict | list), relative
         else:
             continue
         found.add(relative)
