@@ -18,7 +18,9 @@ from tests.serving import METADATA, Served, serve_locally
 @pytest.fixture(scope="module")
 def served() -> Served:
     # two sequences at a time, so that a third request waits (the waiting gauge is exercised)
-    with serve_locally({"kv_cache_memory": "256MiB", "max_num_seqs": 2}) as served:
+    # a deep queue: the cancel tests offer far more than 2 streams at once
+    with serve_locally({"kv_cache_memory": "256MiB", "max_num_seqs": 2,
+                        "max_waiting_requests": 64}) as served:
         yield served
 
 
