@@ -66,7 +66,8 @@ class AsyncLLMEngine:
                 self._abort_later(seq.request_id)
 
     def _check_admission(self, seq: Sequence) -> None:
-        """Refuse `seq` when the waiting queue is full, by count or by the KV it will need."""
+        """Refuse `seq` when the waiting queue is full: by count, by the KV it will need, or by
+        the time the prompt work ahead of it would take."""
         config, blocks = self.engine.config, self.engine.block_manager
         waiting = [*self.engine.scheduler.waiting, *self._new]
         # a burst on an idle replica fills the free batch slots first; only the rest must queue
@@ -86,8 +87,7 @@ class AsyncLLMEngine:
         on an idle replica is always admitted, however long its own prompt)."""
         limit, running = self.engine.config.max_expected_wait_s, self.engine.scheduler.running
         ahead = sum(max(0, s.num_tokens - s.num_computed_tokens) for s in [*running, *waiting])
-        decoding = sum(s.num_computed_tokens >= s.num_prompt_tokens for s in running)
-        wait = self.engine.prefill_rate.seconds_for(ahead, decoding)
+        wait = self.engine.prefill_rate.seconds_for(ahead, self.engine.scheduler.num_decoding())
         if limit is not None and wait is not None and wait > limit:
             rate = self.engine.prefill_rate.tokens_per_s
             raise QueueFullError(round(wait), round(limit),
