@@ -144,6 +144,8 @@ def request_router_config(
 def _lookup_manager(deployment_name: str) -> Any:
     from cache_manager.actor import MANAGER_NAMESPACE, manager_name
 
+    if not ray.is_initialized():  # e.g. a handle's router outliving ray.shutdown(): get_actor
+        raise ConnectionError("not connected to Ray")  # would start a whole new local cluster
     return ray.get_actor(manager_name(deployment_name), namespace=MANAGER_NAMESPACE)
 
 

@@ -66,7 +66,7 @@ def test_overload_refuses_fast_keeps_the_admitted_and_leaves_nothing_behind(tmp_
                               capture_output=True, text=True, timeout=900)
         assert done.returncode == 0, done.stderr[-3000:]
         summary = json.loads(done.stdout)
-        status = _wait_idle(served.handle)
+        status = _wait_idle(served)
         assert served.stream("Hello", max_tokens=4)[-1].finish_reason == pb.FINISH_REASON_LENGTH
     assert set(summary["failures"]) == {"RESOURCE_EXHAUSTED"}, summary["failures"]
     refused = summary["failure_latency_ms"]["RESOURCE_EXHAUSTED"]
@@ -75,14 +75,21 @@ def test_overload_refuses_fast_keeps_the_admitted_and_leaves_nothing_behind(tmp_
     rows = {r["Name"]: r for r in csv.DictReader((tmp_path / "locust_stats.csv").open())}
     completed = int(rows["stream"]["Request Count"]) - int(rows["stream"]["Failure Count"])
     assert completed >= 8 and summary["output_tokens"] > 0, summary  # admitted ones finish
-    assert (status["running"], status["waiting"], status["kv_cache_usage"]) == (0, 0, 0.0)
+    assert status == {"running": 0, "waiting": 0, "kv_cache_usage": 0}, status
 
 
-def _wait_idle(handle, timeout_s: float = 60) -> dict:
+def _wait_idle(served, timeout_s: float = 60) -> dict:
+    """The replica's running / waiting / KV gauges once all are 0 (or at the timeout). Read from
+    the metrics endpoint, not a handle: a handle in this process leaves a request router behind
+    (with its cache-manager lookups) after the cluster is gone."""
+    names = {"running": "ray_kvserve_num_requests_running",
+             "waiting": "ray_kvserve_num_requests_waiting",
+             "kv_cache_usage": "ray_kvserve_kv_cache_usage_perc"}
     deadline = time.monotonic() + timeout_s
-    status = handle.status.remote().result()
-    while (status["running"] or status["waiting"] or status["kv_cache_usage"]) and (
-            time.monotonic() < deadline):
-        time.sleep(0.5)
-        status = handle.status.remote().result()
-    return status
+    while True:
+        metrics = served.metrics()
+        status = {k: sum(v for _, v in metrics[name]) if name in metrics else None
+                  for k, name in names.items()}  # None: not exported yet
+        if all(v == 0 for v in status.values()) or time.monotonic() > deadline:
+            return status
+        time.sleep(1)

@@ -456,3 +456,14 @@ def test_the_router_class_as_serve_ships_it_to_another_process(tmp_path):
     done = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_looking_up_the_manager_without_ray_never_starts_a_cluster():
+    """A handle's router can outlive ray.shutdown(); its next lookup must fail (route on load),
+    not let ray.get_actor auto-start a local cluster (seconds of stall, a stray Ray)."""
+    import ray
+
+    assert not ray.is_initialized()
+    with pytest.raises(ConnectionError, match="not connected to Ray"):
+        router_mod._lookup_manager("default.Generation")
+    assert not ray.is_initialized()
