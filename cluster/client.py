@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+import random
+import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -16,6 +18,14 @@ from kvserve.v1 import generation_pb2 as pb
 from kvserve.v1 import generation_pb2_grpc as pb_grpc
 
 DEFAULT_APPLICATION = "kvserve"
+REFUSED = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def backoff_s(attempt: int, rng: random.Random | None = None, base_s: float = 0.5,
+              max_s: float = 8.0) -> float:
+    """Seconds to wait before retry `attempt` (1, 2, ...) of a refused request: exponential,
+    capped, with jitter so refused clients do not come back in step (gRPC's retry policy)."""
+    return min(max_s, base_s * 2 ** (attempt - 1)) * (rng or random).uniform(0.5, 1)
 
 
 def generate_request(
@@ -49,10 +59,27 @@ class Client:
         self.metadata = (("application", application),)
         self.timeout = timeout
 
-    def generate(self, prompt: str | None = None, **kwargs: Any) -> Iterator[pb.GenerateResponse]:
-        """Stream GenerateResponses; raises grpc.RpcError (e.g. INVALID_ARGUMENT)."""
+    def generate(self, prompt: str | None = None, *, retry_refused_s: float = 0.0,
+                 **kwargs: Any) -> Iterator[pb.GenerateResponse]:
+        """Stream GenerateResponses; raises grpc.RpcError (e.g. INVALID_ARGUMENT). A request
+        refused (RESOURCE_EXHAUSTED: the replicas are full) before its first response is retried
+        with `backoff_s` for up to `retry_refused_s` seconds."""
         request = generate_request(prompt, **kwargs)
-        yield from self.stub.Generate(request, metadata=self.metadata, timeout=self.timeout)
+        give_up_at, attempt = time.monotonic() + retry_refused_s, 0
+        while True:
+            received = False
+            try:
+                for response in self.stub.Generate(request, metadata=self.metadata,
+                                                   timeout=self.timeout):
+                    received = True
+                    yield response
+                return
+            except grpc.RpcError as err:
+                attempt += 1
+                wait = backoff_s(attempt)
+                if received or err.code() != REFUSED or time.monotonic() + wait > give_up_at:
+                    raise
+            time.sleep(wait)
 
     def model_info(self) -> pb.ModelInfoResponse:
         return self.stub.ModelInfo(pb.ModelInfoRequest(), metadata=self.metadata)

@@ -64,17 +64,20 @@ class EngineGenerator:
 
 
 class GrpcGenerator:
-    """A running deployment (`kvserve up`), `concurrency` streams at a time."""
+    """A running deployment (`kvserve up`), `concurrency` streams at a time; a request the
+    deployment refuses as overloaded is retried with backoff, as an eval must finish."""
 
     def __init__(self, target: str, concurrency: int = 16, timeout_s: float = 3600) -> None:
         self.client = Client(target, timeout=timeout_s)
         self.concurrency = concurrency
+        self.timeout_s = timeout_s  # also how long a refused request keeps being retried
 
     def generate(self, requests: list[GenRequest],
                  on_done: Callable[[GenResult], None] | None = None) -> list[GenResult]:
         def one(r: GenRequest) -> GenResult:
             result = GenResult(r.request_id, "")
-            for msg in self.client.generate(r.prompt, messages=r.messages, **r.params):
+            for msg in self.client.generate(r.prompt, messages=r.messages,
+                                            retry_refused_s=self.timeout_s, **r.params):
                 result.text += msg.text
                 result.token_ids += list(msg.token_ids)
                 if msg.finish_reason:

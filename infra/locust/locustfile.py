@@ -39,13 +39,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import shapes  # noqa: E402
 import workloads  # noqa: E402
 
+from cluster.client import backoff_s  # noqa: E402
 from kvserve.v1 import generation_pb2 as pb  # noqa: E402
 from kvserve.v1 import generation_pb2_grpc as pb_grpc  # noqa: E402
 
 METADATA = (("application", os.environ.get("KVSERVE_APPLICATION", "kvserve")),)
 SEED = int(os.environ.get("KVSERVE_SEED", "0"))
 TIMEOUT_S = float(os.environ.get("KVSERVE_TIMEOUT_S", "600"))
-BACKOFF_S, MAX_BACKOFF_S = float(os.environ.get("KVSERVE_BACKOFF_S", "0.5")), 8.0
+BACKOFF_S = float(os.environ.get("KVSERVE_BACKOFF_S", "0.5"))
 RETRYABLE = {"RESOURCE_EXHAUSTED", "UNAVAILABLE"}
 TOTALS: dict = {"output_tokens": 0, "streams": 0, "failure_ms": {}}  # failure_ms: status -> [ms]
 _USER_NUMBERS = itertools.count()  # seeds users by spawn order, so runs repeat
@@ -70,7 +71,7 @@ class KvserveUser(User):
     def wait_time(self) -> float:
         if not self.refusals:
             return 0.0
-        return min(MAX_BACKOFF_S, BACKOFF_S * 2 ** (self.refusals - 1)) * self.rng.uniform(0.5, 1)
+        return backoff_s(self.refusals, self.rng, BACKOFF_S)
 
     def on_stop(self) -> None:
         self.channel.close()
