@@ -9,10 +9,12 @@ kernels, is expected; growth after it is a leak).
 
 from __future__ import annotations
 
+import csv
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 MiB = 1024**2
 
@@ -82,6 +84,16 @@ def memory_report(samples: list[MemorySample], warmup_s: float) -> list[ReplicaM
             replica_id, series[0].rss_bytes / MiB, warm.rss_bytes / MiB, end.rss_bytes / MiB,
             100.0 * (end.rss_bytes - warm.rss_bytes) / warm.rss_bytes))
     return report
+
+
+def write_csv(samples: list[MemorySample], path: Path) -> Path:
+    """The time series (t_s, replica_id, rss_mib), to see whether growth levels off."""
+    with path.open("w", newline="") as f:
+        out = csv.writer(f)
+        out.writerow(["t_s", "replica_id", "rss_mib"])
+        for s in samples:
+            out.writerow([f"{s.t_s:.1f}", s.replica_id, f"{s.rss_bytes / MiB:.1f}"])
+    return path
 
 
 def replica_rss_from_ray() -> dict[str, int]:

@@ -9,11 +9,11 @@ import pytest
 
 from cluster.loadtest import LoadtestSummary
 from cluster.loadtest_report import baseline_table, first_refusing, plot_baseline
-from cluster.memory_watch import MemorySample, MiB, memory_report
+from cluster.memory_watch import MemorySample, MiB, memory_report, write_csv
 from kvserve.loadtest_cli import _user_counts, seconds
 
 
-def test_memory_growth_counts_from_the_first_sample_after_warmup():
+def test_memory_growth_counts_from_the_first_sample_after_warmup(tmp_path):
     samples = [MemorySample(t, "r1", int(rss * MiB)) for t, rss in
                [(0, 500), (30, 900), (60, 1000), (300, 1010), (600, 1030)]]
     samples += [MemorySample(t, "r2", 800 * MiB) for t in (0, 65, 600)]
@@ -21,6 +21,8 @@ def test_memory_growth_counts_from_the_first_sample_after_warmup():
     assert (r1.replica_id, r1.start_mib, r1.warm_mib, r1.end_mib) == ("r1", 500, 1000, 1030)
     assert r1.growth_after_warmup_pct == pytest.approx(3.0)
     assert r2.growth_after_warmup_pct == 0
+    rows = (write_csv(samples, tmp_path / "memory.csv")).read_text().splitlines()
+    assert rows[0] == "t_s,replica_id,rss_mib" and rows[1:3] == ["0.0,r1,500.0", "30.0,r1,900.0"]
 
 
 def _summary(users: int, refused: int = 0, **extra) -> LoadtestSummary:
