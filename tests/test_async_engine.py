@@ -218,6 +218,10 @@ def test_prefill_rate_learns_from_full_steps_and_shares_the_budget_with_decodes(
     assert rate.tokens_per_s == pytest.approx(656)  # 512 + 0.5 * (800 - 512)
     assert rate.seconds_for(656) == pytest.approx(1.0)
     assert rate.seconds_for(656, decoding=256) == pytest.approx(2.0)  # half the budget decodes
+    # under a 200 ms latency target, 32 decodes get a 131-token step (656 tok/s x 0.2 s): prompts
+    # have 99 of its tokens, not the 480 of a full step
+    assert rate.seconds_for(656, decoding=32, step_ms=200.0) == pytest.approx(656 * 131 / 99 / 656)
+    assert rate.seconds_for(656, decoding=32) == pytest.approx(512 / 480)
 
 
 def test_while_a_request_decodes_prompt_chunks_fit_the_itl_target(make_tiny_engine):

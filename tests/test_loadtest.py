@@ -8,9 +8,9 @@ from __future__ import annotations
 import csv
 import json
 import subprocess
-import time
 
 from kvserve.v1 import generation_pb2 as pb
+from tests.helpers import poll
 from tests.serving import serve_locally
 from tests.test_cli import KVSERVE
 
@@ -28,12 +28,10 @@ def test_30s_of_8_users_fail_nothing_and_count_the_tokens_the_service_counted(tm
                               capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stderr[-3000:]
         summary = json.loads(done.stdout)
-        deadline, counted = time.monotonic() + 30, 0.0
-        while time.monotonic() < deadline:  # metrics reach Prometheus about once a second
-            counted = _service_tokens(served) - before
-            if abs(counted - summary["output_tokens"]) <= 0.01 * summary["output_tokens"]:
-                break
-            time.sleep(1)
+        # metrics reach Prometheus about once a second
+        expected = summary["output_tokens"]
+        counted = poll(lambda: _service_tokens(served) - before,
+                       lambda n: abs(n - expected) <= 0.01 * expected, 30, 1.0)
     assert summary["failures"] == {}, summary
     rows = {r["Name"]: r for r in csv.DictReader((tmp_path / "locust_stats.csv").open())}
     assert int(rows["TTFT"]["Request Count"]) > 0 and int(rows["stream"]["Request Count"]) > 0
@@ -85,11 +83,10 @@ def _wait_idle(served, timeout_s: float = 60) -> dict:
     names = {"running": "ray_kvserve_num_requests_running",
              "waiting": "ray_kvserve_num_requests_waiting",
              "kv_cache_usage": "ray_kvserve_kv_cache_usage_perc"}
-    deadline = time.monotonic() + timeout_s
-    while True:
+
+    def read() -> dict:
         metrics = served.metrics()
-        status = {k: sum(v for _, v in metrics[name]) if name in metrics else None
-                  for k, name in names.items()}  # None: not exported yet
-        if all(v == 0 for v in status.values()) or time.monotonic() > deadline:
-            return status
-        time.sleep(1)
+        return {k: sum(v for _, v in metrics[name]) if name in metrics else None
+                for k, name in names.items()}  # None: not exported yet
+
+    return poll(read, lambda status: all(v == 0 for v in status.values()), timeout_s, 1.0)

@@ -5,12 +5,12 @@ admission queue is full, UNAVAILABLE for the streams a shutting-down replica sti
 from __future__ import annotations
 
 import threading
-import time
 
 import grpc
 import pytest
 
 from kvserve.v1 import generation_pb2 as pb
+from tests.helpers import poll
 from tests.serving import APP, METADATA, serve_locally
 
 DEADLINE_S = 120  # a hang fails as DEADLINE_EXCEEDED instead of blocking the suite
@@ -23,10 +23,9 @@ def _long_stream(served, prompt: str):
 
 
 def _wait_for_waiting(handle, count: int, timeout_s: float = 30) -> None:
-    deadline = time.monotonic() + timeout_s
-    while handle.status.remote().result()["waiting"] < count:
-        assert time.monotonic() < deadline, "the second request never queued"
-        time.sleep(0.05)
+    waiting = poll(lambda: handle.status.remote().result()["waiting"], lambda n: n >= count,
+                   timeout_s, 0.05)
+    assert waiting >= count, "the second request never queued"
 
 
 def test_full_admission_queue_then_shutdown_through_the_proxy():

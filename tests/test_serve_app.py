@@ -11,7 +11,7 @@ from pydantic import ValidationError
 
 from cluster.app import AppConfig
 from kvserve.v1 import generation_pb2 as pb
-from tests.helpers import solo_ids
+from tests.helpers import poll, solo_ids
 from tests.serving import METADATA, Served, serve_locally
 
 
@@ -124,12 +124,7 @@ def test_prometheus_endpoint_exposes_every_metric_during_traffic(served):
 
 
 def _wait_kv_free(handle, timeout: float = 1.0) -> float:
-    deadline = time.monotonic() + timeout
-    usage = handle.kv_cache_usage.remote().result()
-    while usage > 0 and time.monotonic() < deadline:
-        time.sleep(0.05)
-        usage = handle.kv_cache_usage.remote().result()
-    return usage
+    return poll(lambda: handle.kv_cache_usage.remote().result(), lambda u: u == 0, timeout, 0.05)
 
 
 def test_50_random_cancels_leave_kv_usage_at_zero(served):

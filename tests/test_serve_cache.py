@@ -18,7 +18,7 @@ from cache_manager import actor as cache_manager
 from cache_manager.redis_server import start_embedded
 from cluster.cache_check import find_problems
 from kvserve.v1 import generation_pb2 as pb
-from tests.helpers import solo_ids
+from tests.helpers import poll, solo_ids
 from tests.serving import APP, METADATA, serve_locally
 from tests.test_serve_replica_kill import _replica_rows, _replica_states
 
@@ -154,10 +154,8 @@ def _chaos(served, redis):
 
 
 def _wait_for_running_replicas(count: int, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while _replica_states() != {"RUNNING": count}:
-        assert time.monotonic() < deadline, _replica_states()
-        time.sleep(1)
+    states = poll(_replica_states, lambda s: s == {"RUNNING": count}, timeout, 1.0)
+    assert states == {"RUNNING": count}, states
 
 
 def test_kv_cache_metrics_reach_prometheus_under_memory_pressure():

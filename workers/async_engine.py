@@ -87,7 +87,8 @@ class AsyncLLMEngine:
         on an idle replica is always admitted, however long its own prompt)."""
         limit, running = self.engine.config.max_expected_wait_s, self.engine.scheduler.running
         ahead = sum(max(0, s.num_tokens - s.num_computed_tokens) for s in [*running, *waiting])
-        wait = self.engine.prefill_rate.seconds_for(ahead, self.engine.scheduler.num_decoding())
+        wait = self.engine.prefill_rate.seconds_for(
+            ahead, self.engine.scheduler.num_decoding(), self.engine.config.itl_target_ms)
         if limit is not None and wait is not None and wait > limit:
             rate = self.engine.prefill_rate.tokens_per_s
             raise QueueFullError(round(wait), round(limit),

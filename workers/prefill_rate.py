@@ -35,10 +35,13 @@ class PrefillRate:
         fits = int(self.tokens_per_s * step_ms / 1000)
         return min(self.budget, max(decoding + MIN_PROMPT_CHUNK, fits))
 
-    def seconds_for(self, tokens: int, decoding: int = 0) -> float | None:
+    def seconds_for(self, tokens: int, decoding: int = 0, step_ms: float | None = None
+                    ) -> float | None:
         """Expected seconds to compute `tokens` prompt tokens while `decoding` sequences take
-        one token of every step's budget each; None before any measurement."""
+        one token of every step's budget each (the budget `token_budget` gives for `step_ms`,
+        so a tight latency target leaves prompts a smaller share); None before any measurement."""
         if self.tokens_per_s is None:
             return None
-        share = max(0.1, 1 - decoding / self.budget)
+        budget = self.token_budget(decoding, step_ms)
+        share = max(0.1, 1 - decoding / budget)
         return tokens / (self.tokens_per_s * share)
