@@ -1,0 +1,81 @@
+"""The Locust users' gRPC client under gevent: a refusal reaches its user at once even while more
+users than gevent's default thread pool (10) wait on slow streams. A real gRPC server (threads)
+and the locustfile's own gevent set-up, in a subprocess as Locust runs it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+
+from cluster.local_head import free_port
+from kvserve.v1 import generation_pb2 as pb
+from kvserve.v1 import generation_pb2_grpc as pb_grpc
+
+ROOT = Path(__file__).resolve().parents[1]
+HOLD_S = 10.0  # a held stream's first token comes this late (a long prefill)
+HELD_STREAMS = 16  # more than gevent's default 10 threads
+
+CLIENT = f"""
+import sys, time
+sys.path.insert(0, {str(ROOT / "infra" / "locust")!r})
+import locustfile  # gevent + gRPC set up exactly as under Locust
+import gevent, grpc
+from kvserve.v1 import generation_pb2 as pb, generation_pb2_grpc as pb_grpc
+
+def call(prompt):
+    stub = pb_grpc.GenerationStub(grpc.insecure_channel(sys.argv[1]))
+    start = time.perf_counter()
+    try:
+        for _ in stub.Generate(pb.GenerateRequest(prompt=prompt), timeout=60):
+            pass
+    except grpc.RpcError as exc:
+        return exc.code().name, time.perf_counter() - start
+    return "OK", time.perf_counter() - start
+
+held = [gevent.spawn(call, "hold") for _ in range({HELD_STREAMS})]
+gevent.sleep(1.0)  # every held stream is waiting for its first message
+code, seconds = call("refuse")
+print(code, round(seconds, 3), flush=True)
+gevent.joinall(held)
+print(sorted({{c for c, _ in (g.value for g in held)}}), flush=True)
+"""
+
+
+class HoldOrRefuse(pb_grpc.GenerationServicer):
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def Generate(self, request, context):
+        if request.prompt == "refuse":
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full")
+        self.release.wait(HOLD_S)
+        yield pb.GenerateResponse(token_ids=[1], text="x")
+
+
+def test_a_refusal_reaches_its_user_while_many_others_wait_for_first_tokens():
+    servicer = HoldOrRefuse()
+    server = grpc.server(futures.ThreadPoolExecutor(HELD_STREAMS + 4))
+    pb_grpc.add_GenerationServicer_to_server(servicer, server)
+    port = free_port()
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    server.start()
+    try:
+        start = time.monotonic()
+        done = subprocess.run([sys.executable, "-c", CLIENT, f"127.0.0.1:{port}"], cwd=ROOT,
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-3000:]
+    finally:
+        servicer.release.set()
+        server.stop(0)
+    refusal, held = done.stdout.splitlines()[-2:]
+    code, seconds = refusal.split()
+    assert code == "RESOURCE_EXHAUSTED"
+    assert float(seconds) < 2.0, f"refusal took {seconds} s behind {HELD_STREAMS} held streams"
+    assert held == "['OK']"  # the held streams all completed
+    assert time.monotonic() - start >= HOLD_S - 1  # they were really held meanwhile
