@@ -206,6 +206,31 @@ def test_admission_is_bounded_by_the_expected_wait_for_the_prompts_ahead(make_ti
     asyncio.run(scenario())
 
 
+def test_the_time_bound_counts_the_requests_own_prompt_once_the_replica_is_busy(make_tiny_engine):
+    from workers.errors import QueueFullError
+    from workers.prefill_rate import PrefillRate
+
+    core = make_tiny_engine(max_num_batched_tokens=16, max_expected_wait_s=1.0)
+    core.prefill_rate = PrefillRate(budget=16, smoothing=0.0, tokens_per_s=100.0)
+    params = {"max_tokens": 30, "ignore_eos": True}
+
+    async def scenario() -> None:
+        engine = AsyncLLMEngine(core)
+        decoding = engine.generate(prompt_token_ids=[5, 6, 7], params=params)
+        await anext(decoding)  # it decodes: no prompt work is left ahead of a new request
+        # its own 150 tokens at 100 tok/s x 15/16 of each step: 1.6 s to its first token
+        with pytest.raises(QueueFullError, match=r"150 tokens"):
+            await anext(engine.generate(prompt_token_ids=list(range(10, 160)), params=params))
+        short = [o async for o in engine.generate(prompt_token_ids=list(range(10, 60)),
+                                                  params=params)]  # 0.53 s: admitted
+        assert short[-1].finish_reason == "length"
+        assert [o async for o in decoding][-1].finish_reason == "length"
+        assert_engine_idle(core)
+        await engine.shutdown()
+
+    asyncio.run(scenario())
+
+
 def test_prefill_rate_learns_from_full_steps_and_shares_the_budget_with_decodes():
     from workers.prefill_rate import PrefillRate
 

@@ -80,20 +80,23 @@ class AsyncLLMEngine:
             raise QueueFullError(needed, limit, "KV blocks needed by requests",
                                  f"max_waiting_kv_pools={config.max_waiting_kv_pools:g} x "
                                  f"{blocks.num_blocks} blocks")
-        self._check_expected_wait(waiting)
+        self._check_expected_wait(seq, waiting)
 
-    def _check_expected_wait(self, waiting: list[Sequence]) -> None:
-        """Refuse when the prompt work ahead would outlast `max_expected_wait_s` (a new request
-        on an idle replica is always admitted, however long its own prompt)."""
+    def _check_expected_wait(self, seq: Sequence, waiting: list[Sequence]) -> None:
+        """Refuse when the prompt work ahead plus `seq`'s own would outlast
+        `max_expected_wait_s`: its time to first token. An idle replica admits any prompt."""
         limit, running = self.engine.config.max_expected_wait_s, self.engine.scheduler.running
-        ahead = sum(max(0, s.num_tokens - s.num_computed_tokens) for s in [*running, *waiting])
+        if limit is None or not (running or waiting):
+            return
+        left = (s.num_tokens - s.num_computed_tokens for s in [*running, *waiting])
+        work = sum(n for n in left if n > 1) + seq.num_prompt_tokens  # a decode's 1 is its share
         wait = self.engine.prefill_rate.seconds_for(
-            ahead, self.engine.scheduler.num_decoding(), self.engine.config.itl_target_ms)
-        if limit is not None and wait is not None and wait > limit:
+            work, self.engine.scheduler.num_decoding(), self.engine.config.itl_target_ms)
+        if wait is not None and wait > limit:
             rate = self.engine.prefill_rate.tokens_per_s
             raise QueueFullError(round(wait), round(limit),
-                                 f"s of prompt work ({ahead} tokens at {rate:.0f} tokens/s)",
-                                 "max_expected_wait_s")
+                                 f"s of prompt work up to its first token ({work} tokens at "
+                                 f"{rate:.0f} tokens/s)", "max_expected_wait_s")
 
     def _open(self, seq: Sequence) -> asyncio.Queue:
         if seq.request_id in self._streams or seq.request_id in self.engine.requests:
