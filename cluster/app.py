@@ -48,8 +48,8 @@ class AppConfig(BaseModel):
     max_waiting_requests: int | None = Field(None, ge=1)
     # ...and by work: past this many KV pools' worth of waiting requests, RESOURCE_EXHAUSTED too
     max_waiting_kv_pools: float = Field(4.0, gt=0)
-    # ...and by time: past this many seconds of queued prompt work at the replica's measured
-    # prompt throughput, RESOURCE_EXHAUSTED too (None: no time bound)
+    # ...and by time: past this expected time to first token (prompt work ahead plus its own,
+    # at the replica's measured prompt throughput), RESOURCE_EXHAUSTED too (None: no bound)
     max_expected_wait_s: float | None = Field(30.0, gt=0)
     # while requests decode, prompt chunks are sized so a step takes about this long: admitted
     # streams keep their inter-token latency while new prompts arrive (None: full budget steps).

@@ -40,8 +40,8 @@ class EngineConfig:
     # this many times the pool. Long prompts count for more than short ones, so an overloaded
     # replica refuses early (RESOURCE_EXHAUSTED) instead of queueing past every deadline
     max_waiting_kv_pools: float = 4.0
-    # ...and by time: refuse when the prompt work queued ahead of a request would take longer
-    # than this at the measured prompt throughput (PrefillRate); None: no time bound
+    # ...and by time: refuse when a request's expected time to first token (prompt work ahead
+    # plus its own, at the measured prompt throughput: PrefillRate) is longer; None: no bound
     max_expected_wait_s: float | None = 30.0
     # while requests decode, size prompt chunks so a step takes about this long (their
     # inter-token latency) at the measured throughput; None: always max_num_batched_tokens

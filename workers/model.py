@@ -20,19 +20,36 @@ def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+def padded_rows(rows: int) -> int:
+    """The row count a oneDNN matmul runs at: exact up to 16, else rounded up to 8 steps per
+    doubling (at most 12.5 % padding), so a replica sees a few dozen shapes, not every one."""
+    if rows <= 16:
+        return rows
+    step = 1 << (rows.bit_length() - 4)  # rows in [2^k, 2^(k+1)): step 2^(k-3)
+    return -(-rows // step) * step
+
+
 class Linear(nn.Linear):
     """nn.Linear that can run on oneDNN on CPU.
 
     oneDNN's fp32 matmul beats F.linear's MKL path at every batch size we step with on this CPU
-    (measured: ~1.8x at 1 row, which is memory-bound, ~1.3x at 32 rows, ~1.15x at 512).
+    (measured: ~1.8x at 1 row, which is memory-bound, ~1.3x at 32 rows, ~1.15x at 512). But it
+    keeps memory for every row count it has run (measured: ~0.5 MB per count and weight shape,
+    1.1 GB after rows 1..512 for our 4 projection shapes; F.linear keeps none), and a serving
+    step's token count takes any value up to the budget: so rows are padded to `padded_rows`.
     """
 
     use_onednn: bool = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.use_onednn:
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+        if not self.use_onednn:
+            return F.linear(x, self.weight, self.bias)
+        rows = x.shape[0]  # x: [rows, in_features]
+        pad = padded_rows(rows) - rows
+        if pad:
+            x = F.pad(x, (0, 0, 0, pad))
+        out = torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return out[:rows] if pad else out
 
 
 class RMSNorm(nn.Module):
