@@ -22,7 +22,7 @@ from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from cluster.memory_watch import MemoryWatch, memory_report, write_csv
+from cluster.memory_watch import MemoryWatch, memory_report, plot_memory, write_csv
 
 LOCUSTFILE = Path(__file__).resolve().parents[1] / "infra" / "locust" / "locustfile.py"
 WORKLOADS = {"short": ["ShortChatUser"], "long": ["LongPromptUser"], "mixed": ["MixedUser"],
@@ -121,6 +121,7 @@ def run_load(cfg: LoadtestConfig,
         warmup = min(cfg.warmup_s, cfg.run_time_s / 4)
         summary.replica_memory = [m.to_dict() for m in memory_report(watch.samples, warmup)]
         summary.files.append(str(write_csv(watch.samples, cfg.out / "memory.csv")))
+        summary.files.append(str(plot_memory(watch.samples, warmup, cfg.out / "memory.png")))
     return summary
 
 

@@ -96,6 +96,29 @@ def write_csv(samples: list[MemorySample], path: Path) -> Path:
     return path
 
 
+def plot_memory(samples: list[MemorySample], warmup_s: float, path: Path) -> Path:
+    """Each replica's RSS over the load, the warm-up marked: does growth level off?"""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for replica_id in sorted({s.replica_id for s in samples}):
+        series = [s for s in samples if s.replica_id == replica_id]
+        ax.plot([s.t_s / 60 for s in series], [s.rss_bytes / MiB for s in series],
+                label=f"replica {replica_id}")
+    ax.axvline(warmup_s / 60, color="tab:gray", linestyle=":", label="end of warm-up")
+    ax.set_xlabel("minutes into the load")
+    ax.set_ylabel("resident memory (MiB)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def replica_rss_from_ray() -> dict[str, int]:
     """Replica id -> RSS from the status rows in Ray's GCS (needs a connected driver)."""
     from cluster import replica_status

@@ -9,7 +9,7 @@ import pytest
 
 from cluster.loadtest import LoadtestSummary
 from cluster.loadtest_report import baseline_table, first_refusing, plot_baseline
-from cluster.memory_watch import MemorySample, MiB, memory_report, write_csv
+from cluster.memory_watch import MemorySample, MiB, memory_report, plot_memory, write_csv
 from kvserve.loadtest_cli import _user_counts, seconds
 
 
@@ -23,6 +23,8 @@ def test_memory_growth_counts_from_the_first_sample_after_warmup(tmp_path):
     assert r2.growth_after_warmup_pct == 0
     rows = (write_csv(samples, tmp_path / "memory.csv")).read_text().splitlines()
     assert rows[0] == "t_s,replica_id,rss_mib" and rows[1:3] == ["0.0,r1,500.0", "30.0,r1,900.0"]
+    png = plot_memory(samples, 60, tmp_path / "memory.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
 def _summary(users: int, refused: int = 0, **extra) -> LoadtestSummary:
