@@ -178,13 +178,20 @@ def test_admission_is_bounded_by_the_kv_the_waiting_requests_need(make_tiny_engi
     asyncio.run(scenario())
 
 
-def test_admission_is_bounded_by_the_expected_wait_for_the_prompts_ahead(make_tiny_engine):
-    from workers.errors import QueueFullError
+def _engine_at_100_prompt_tokens_per_s(make_tiny_engine):
+    """A 16-token step budget, a 1 s time bound, and a rate as if measured at 100 prompt
+    tokens/s (smoothing 0 keeps it while the tiny model runs)."""
     from workers.prefill_rate import PrefillRate
 
     core = make_tiny_engine(max_num_batched_tokens=16, max_expected_wait_s=1.0)
-    # as if measured at 100 prompt tokens/s (smoothing 0 keeps it while the tiny model runs)
     core.prefill_rate = PrefillRate(budget=16, smoothing=0.0, tokens_per_s=100.0)
+    return core
+
+
+def test_admission_is_bounded_by_the_expected_wait_for_the_prompts_ahead(make_tiny_engine):
+    from workers.errors import QueueFullError
+
+    core = _engine_at_100_prompt_tokens_per_s(make_tiny_engine)
     long_prompt = [10 + i % 50 for i in range(300)]  # 19 steps of 16 tokens: 3 s at 100 tok/s
     params = {"max_tokens": 4, "ignore_eos": True}
 
@@ -208,10 +215,8 @@ def test_admission_is_bounded_by_the_expected_wait_for_the_prompts_ahead(make_ti
 
 def test_the_time_bound_counts_the_requests_own_prompt_once_the_replica_is_busy(make_tiny_engine):
     from workers.errors import QueueFullError
-    from workers.prefill_rate import PrefillRate
 
-    core = make_tiny_engine(max_num_batched_tokens=16, max_expected_wait_s=1.0)
-    core.prefill_rate = PrefillRate(budget=16, smoothing=0.0, tokens_per_s=100.0)
+    core = _engine_at_100_prompt_tokens_per_s(make_tiny_engine)
     params = {"max_tokens": 30, "ignore_eos": True}
 
     async def scenario() -> None:
