@@ -20,7 +20,7 @@ import sys, psutil, torch
 from workers.model import Linear
 torch.set_num_threads(1)
 lin = Linear(576, 3072, bias=False)
-lin.use_onednn = True
+lin.pack_for_onednn()
 lin(torch.randn(1, 576))
 before = psutil.Process().memory_info().rss
 for rows in range(1, 513):  # every token count a 512-token step budget allows
@@ -41,7 +41,7 @@ def test_padded_onednn_linear_equals_f_linear_on_the_real_rows():
     lin = Linear(64, 48, bias=True)
     x = torch.randn(37, 64)  # padded to 40
     expected = lin(x)
-    lin.use_onednn = True
+    lin.pack_for_onednn()
     got = lin(x)
     assert got.shape == (37, 48)
     torch.testing.assert_close(got, expected)

