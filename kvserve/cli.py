@@ -10,6 +10,7 @@ from typing import Any
 
 from kvserve.eval_cli import add_eval
 from kvserve.loadtest_cli import add_loadtest
+from workers.attention import BACKENDS
 from workers.config import EngineConfig, parse_size
 
 
@@ -54,7 +55,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step")
     g.add_argument("--max-num-batched-tokens", type=int, default=512,
                    help="token budget per step; longer prompts are prefilled in chunks")
-    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "flash_attn"])
+    g.add_argument("--attention-backend", default="auto", choices=list(BACKENDS))
     g.add_argument("--enable-prefix-caching", action="store_true",
                    help="reuse the KV blocks of equal prompt prefixes across requests")
     g.add_argument("--cpu-offload-memory", type=parse_size, default=0,

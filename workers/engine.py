@@ -21,7 +21,7 @@ from workers.host_block_pool import HostBlockPool
 from workers.inputs import to_token_ids
 from workers.kv_cache import KVCacheSpec
 from workers.kv_events import KVEvents
-from workers.loader import LoadedCheckpoint, load_checkpoint, with_rope_override
+from workers.loader import LoadedCheckpoint, cache_root, load_checkpoint, with_rope_override
 from workers.model import CausalLM, onednn_available
 from workers.model_runner import ModelRunner
 from workers.outputs import KVCacheStats, RequestOutput, Usage
@@ -70,7 +70,9 @@ class LLMEngine:
         self.vocab_size = ckpt.config.vocab_size
         self.max_model_len = _max_model_len(config, ckpt.config)
         self.model = _build_model(ckpt, self.device, self.dtype)
-        backend_name = resolve_backend_name(config.attention_backend, self.device)
+        backend = make_backend(resolve_backend_name(config.attention_backend, self.device),
+                               cache_root() / "kernels")
+        backend_name = backend.name
         block_size = _resolve_block_size(config.block_size, backend_name)
         spec = _kv_spec(ckpt.config, block_size, self.dtype)
         num_blocks = config.num_kv_blocks or spec.num_blocks_for(_kv_budget(config, self.device))
@@ -80,8 +82,8 @@ class LLMEngine:
         if num_host_blocks is None:
             num_host_blocks = spec.num_blocks_for(config.cpu_offload_memory)
         rope = RotaryEmbedding(ckpt.config, self.max_model_len, self.device)
-        self.runner = ModelRunner(self.model, spec, num_blocks, rope, make_backend(backend_name),
-                                  self.device, num_host_blocks)
+        self.runner = ModelRunner(self.model, spec, num_blocks, rope, backend, self.device,
+                                  num_host_blocks)
         self.bytes_per_block = spec.bytes_per_block
         self.kv_events = KVEvents()  # the cluster turns it on to report to its cache manager
         host = HostBlockPool(num_host_blocks, self.kv_events) if num_host_blocks else None

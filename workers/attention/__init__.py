@@ -5,32 +5,46 @@
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import torch
 
 from workers.attention.metadata import AttentionMetadata, PrefillSegment
 from workers.attention.torch_backend import PagedAttention, TorchAttention
 
-BACKENDS = ("auto", "torch", "flash_attn")
+BACKENDS = ("auto", "torch", "cpu", "flash_attn")
 
 
 def resolve_backend_name(name: str, device: torch.device) -> str:
-    """`auto` picks flash_attn on CUDA when the package is installed, torch otherwise."""
+    """`auto` picks flash_attn on CUDA when the package is installed, cpu on a CPU, torch
+    otherwise."""
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
     if name == "auto":
         flash_ok = device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None
-        return "flash_attn" if flash_ok else "torch"
+        if flash_ok:
+            return "flash_attn"
+        return "cpu" if device.type == "cpu" else "torch"
     if name == "flash_attn" and device.type != "cuda":
         raise ValueError("attention_backend flash_attn needs a CUDA device")
+    if name == "cpu" and device.type != "cpu":
+        raise ValueError(f"attention_backend cpu needs the CPU device, not {device.type}")
     return name
 
 
-def make_backend(name: str) -> PagedAttention:
+def make_backend(name: str, build_root: Path) -> PagedAttention:
+    """The backend `name` resolves to; `cpu` builds its kernel under `build_root` on first use and
+    falls back to torch where it cannot be built."""
     if name == "flash_attn":
         from workers.attention.flash_backend import FlashAttention
 
         return FlashAttention()
+    if name == "cpu":
+        from workers.attention.cpu_backend import CPUAttention, load_paged_decode
+
+        paged_decode = load_paged_decode(build_root)
+        if paged_decode is not None:
+            return CPUAttention(paged_decode)
     return TorchAttention()
 
 

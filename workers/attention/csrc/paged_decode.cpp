@@ -1,0 +1,128 @@
+// Paged decode attention for CPUs: one query token per sequence, keys and values read in place
+// from the block pool (no gather copy), each KV head's block read once for all of its query heads.
+// fp32 only. Built at first use by workers/attention/cpu_backend.py (torch.utils.cpp_extension).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kMaxGroup = 16;  // query heads per KV head
+
+struct Shape {
+  int64_t block_size, kv_heads, group, q_row_stride;
+};
+
+// One (sequence, KV head): out[g] = softmax(q[g] . K^T * scale) V for its `group` query heads.
+// q, out: [group, D]; table: the sequence's block ids; scores: scratch of group * length floats.
+template <int D>
+void attend_one(float* __restrict__ out, const float* __restrict__ q_in, const float* k_cache,
+                const float* v_cache, const int32_t* table, int64_t length, int64_t kv_head,
+                const Shape& shape, float scale, std::vector<float>& scores) {
+  const int64_t G = shape.group, BS = shape.block_size;
+  const int64_t token_stride = shape.kv_heads * D;  // cache: [blocks, block_size, kv_heads, D]
+  const int64_t block_stride = BS * token_stride;
+  float q[kMaxGroup][D];
+  float acc[kMaxGroup][D];
+  for (int64_t g = 0; g < G; ++g)
+    for (int d = 0; d < D; ++d) {
+      q[g][d] = q_in[g * D + d] * scale;
+      acc[g][d] = 0.f;
+    }
+  scores.resize(G * length);
+  for (int64_t start = 0; start < length; start += BS) {  // scores = q K^T
+    const float* block = k_cache + table[start / BS] * block_stride + kv_head * D;
+    for (int64_t t = start; t < std::min(start + BS, length); ++t) {
+      const float* __restrict__ k = block + (t - start) * token_stride;
+      for (int64_t g = 0; g < G; ++g) {
+        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+        for (int d = 0; d < D; ++d) dot += q[g][d] * k[d];
+        scores[g * length + t] = dot;
+      }
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {  // softmax, one row per query head
+    float* row = scores.data() + g * length;
+    const float max = *std::max_element(row, row + length);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < length; ++t) {
+      row[t] = std::exp(row[t] - max);
+      sum += row[t];
+    }
+    const float inv = 1.f / sum;
+#pragma omp simd
+    for (int64_t t = 0; t < length; ++t) row[t] *= inv;
+  }
+  for (int64_t start = 0; start < length; start += BS) {  // out = p V
+    const float* block = v_cache + table[start / BS] * block_stride + kv_head * D;
+    for (int64_t t = start; t < std::min(start + BS, length); ++t) {
+      const float* __restrict__ v = block + (t - start) * token_stride;
+      for (int64_t g = 0; g < G; ++g) {
+        const float p = scores[g * length + t];
+#pragma omp simd
+        for (int d = 0; d < D; ++d) acc[g][d] += p * v[d];
+      }
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) std::copy(acc[g], acc[g] + D, out + g * D);
+}
+
+template <int D>
+void paged_decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                       const at::Tensor& v_cache, const at::Tensor& block_tables,
+                       const at::Tensor& context_lens, float scale) {
+  const int64_t seqs = q.size(0), heads = q.size(1), kv_heads = k_cache.size(2);
+  const Shape shape{k_cache.size(1), kv_heads, heads / kv_heads, q.stride(0)};
+  const int64_t max_blocks = block_tables.size(1);
+  const float* q_ptr = q.data_ptr<float>();
+  const float* k_ptr = k_cache.data_ptr<float>();
+  const float* v_ptr = v_cache.data_ptr<float>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = context_lens.data_ptr<int32_t>();
+  float* out_ptr = out.data_ptr<float>();
+  at::parallel_for(0, seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t s = item / kv_heads, h = item % kv_heads;
+      const int64_t first_head = h * shape.group;
+      attend_one<D>(out_ptr + (s * heads + first_head) * D,
+                    q_ptr + s * shape.q_row_stride + first_head * D, k_ptr, v_ptr,
+                    tables + s * max_blocks, lens[s], h, shape, scale, scores);
+    }
+  });
+}
+
+}  // namespace
+
+// q: [seqs, heads, D] (rows may be strided); caches: [blocks, block_size, kv_heads, D] contiguous;
+// block_tables: [seqs, max_blocks] int32; context_lens: [seqs] int32 -> out: [seqs, heads, D]
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& block_tables, const at::Tensor& context_lens,
+                        double scale) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
+              v_cache.scalar_type() == at::kFloat, "paged_decode: fp32 only");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "paged_decode: q rows must be dense");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_decode: caches dense");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() &&
+              context_lens.scalar_type() == at::kInt, "paged_decode: int32 tables and lengths");
+  const int64_t heads = q.size(1), kv_heads = k_cache.size(2);
+  TORCH_CHECK(heads % kv_heads == 0 && heads / kv_heads <= kMaxGroup,
+              "paged_decode: at most 16 query heads per KV head");
+  auto out = at::empty({q.size(0), heads, q.size(2)}, q.options());
+  const auto s = static_cast<float>(scale);
+  switch (q.size(2)) {
+    case 64: paged_decode_impl<64>(out, q, k_cache, v_cache, block_tables, context_lens, s); break;
+    case 128: paged_decode_impl<128>(out, q, k_cache, v_cache, block_tables, context_lens, s); break;
+    default: TORCH_CHECK(false, "paged_decode: head_dim 64 or 128");
+  }
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "paged decode attention (fp32, CPU)");
+}
