@@ -1,22 +1,33 @@
-"""The CPU backend's C++ decode kernel against the torch path (gather + SDPA), and its fallbacks."""
+"""kvserve's C++ CPU kernels against the torch ops they replace, and their fallbacks."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from tests.helpers import output_ids
 from workers.attention import make_backend, resolve_backend_name
 from workers.attention.cpu_backend import CPUAttention
 from workers.attention.metadata import AttentionMetadata
 from workers.attention.torch_backend import TorchAttention
+from workers.cpu_kernels import load_cpu_kernels
 from workers.loader import cache_root
+from workers.model import RMSNorm
+from workers.rope import rotate
 
 
 @pytest.fixture(scope="module")
-def cpu_backend() -> CPUAttention:
-    backend = make_backend("cpu", cache_root() / "kernels")
-    assert isinstance(backend, CPUAttention), "the kernel must build on this machine"
+def cpu_kernels():
+    kernels = load_cpu_kernels(cache_root() / "kernels")
+    assert kernels is not None, "the kernels must build on this machine"
+    return kernels
+
+
+@pytest.fixture(scope="module")
+def cpu_backend(cpu_kernels) -> CPUAttention:
+    backend = make_backend("cpu", cpu_kernels)
+    assert isinstance(backend, CPUAttention)
     return backend
 
 
@@ -90,10 +101,11 @@ def test_auto_picks_the_cpu_backend_on_a_cpu():
         resolve_backend_name("cpu", torch.device("cuda"))
 
 
-def test_unbuildable_kernel_falls_back_to_torch(tmp_path):
+def test_unbuildable_kernels_fall_back_to_torch(tmp_path):
     blocker = tmp_path / "kernels"
     blocker.write_text("a file where the build directory should go")
-    assert isinstance(make_backend("cpu", blocker), TorchAttention)
+    assert load_cpu_kernels(blocker) is None
+    assert isinstance(make_backend("cpu", None), TorchAttention)
 
 
 def test_cpu_and_torch_backends_decode_the_same_tokens(make_tiny_engine):
@@ -107,3 +119,44 @@ def test_cpu_and_torch_backends_decode_the_same_tokens(make_tiny_engine):
         out = engine.generate_all([{"prompt_token_ids": p, "params": params} for p in prompts])
         runs[backend] = [output_ids(stream) for stream in out.values()]
     assert runs["cpu"] == runs["torch"]
+
+
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_rms_norm_equals_the_torch_norm(cpu_kernels, rows):
+    norm = RMSNorm(576, 1e-5)
+    norm.weight.copy_(torch.randn(576))
+    x = torch.randn(rows, 576) * 3
+    expected = norm(x)
+    norm.kernels = cpu_kernels
+    torch.testing.assert_close(norm(x), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_silu_and_mul_equals_torch(cpu_kernels, rows):
+    gate_up = torch.randn(rows + 3, 2 * 1536) * 4
+    gate_up = gate_up[:rows]  # a linear's padded output, sliced
+    gate, up = gate_up.split(1536, dim=-1)
+    torch.testing.assert_close(cpu_kernels.silu_and_mul(gate_up), F.silu(gate) * up,
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_rotary_in_place_equals_transformers_rotation(cpu_kernels, rows):
+    heads, kv_heads, head_dim = 9, 3, 64
+    qkv = torch.randn(rows, heads + 2 * kv_heads, head_dim)
+    angles = torch.rand(rows, head_dim // 2) * 100
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    expected = rotate(qkv[:, : heads + kv_heads], cos, sin)
+    v = qkv[:, heads + kv_heads :].clone()
+    cpu_kernels.rotary_(qkv, heads + kv_heads, cos, sin)
+    torch.testing.assert_close(qkv[:, : heads + kv_heads], expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(qkv[:, heads + kv_heads :], v), "v must stay as it is"
+
+
+def test_engine_uses_the_kernels_only_for_fp32_on_cpu(make_tiny_engine):
+    fp32 = make_tiny_engine()
+    assert fp32.model.layers[0].mlp.kernels is not None
+    assert fp32.model.norm.kernels is not None
+    bf16 = make_tiny_engine(dtype="bfloat16")
+    assert bf16.model.layers[0].mlp.kernels is None
+    assert bf16.info.attention_backend == "torch"

@@ -7,6 +7,7 @@ import secrets
 import time
 import uuid
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -15,6 +16,7 @@ from workers.attention import make_backend, resolve_backend_name
 from workers.attention.flash_backend import FLASH_BLOCK_MULTIPLE
 from workers.block_manager import BlockManager
 from workers.config import EngineConfig
+from workers.cpu_kernels import load_cpu_kernels
 from workers.detokenizer import IncrementalDetokenizer
 from workers.errors import InvalidRequestError
 from workers.host_block_pool import HostBlockPool
@@ -69,9 +71,10 @@ class LLMEngine:
         self.hf_config, self.tokenizer, self.model_path = ckpt.config, ckpt.tokenizer, ckpt.path
         self.vocab_size = ckpt.config.vocab_size
         self.max_model_len = _max_model_len(config, ckpt.config)
-        self.model = _build_model(ckpt, self.device, self.dtype)
+        cpu_kernels = _cpu_kernels(self.device, self.dtype)
+        self.model = _build_model(ckpt, self.device, self.dtype, cpu_kernels)
         backend = make_backend(resolve_backend_name(config.attention_backend, self.device),
-                               cache_root() / "kernels")
+                               cpu_kernels)
         backend_name = backend.name
         block_size = _resolve_block_size(config.block_size, backend_name)
         spec = _kv_spec(ckpt.config, block_size, self.dtype)
@@ -332,7 +335,16 @@ def _resolve_block_size(block_size: int | None, backend: str) -> int:
     return block_size or 16
 
 
-def _build_model(ckpt, device: torch.device, dtype: torch.dtype) -> CausalLM:
+def _cpu_kernels(device: torch.device, dtype: torch.dtype) -> ModuleType | None:
+    """kvserve's C++ kernels where they apply (fp32 on a CPU), built at first use."""
+    if device.type != "cpu" or dtype != torch.float32:
+        return None
+    return load_cpu_kernels(cache_root() / "kernels")
+
+
+def _build_model(
+    ckpt, device: torch.device, dtype: torch.dtype, cpu_kernels: ModuleType | None
+) -> CausalLM:
     with torch.device("meta"):
         model = CausalLM(ckpt.config)
     model = model.to_empty(device=device).to(dtype)
@@ -341,6 +353,8 @@ def _build_model(ckpt, device: torch.device, dtype: torch.dtype) -> CausalLM:
     model.load_checkpoint(dict(ckpt.tensors))
     if device.type == "cpu" and onednn_available():
         model.use_onednn_matmuls()
+    if cpu_kernels is not None:
+        model.use_cpu_kernels(cpu_kernels)
     return model.eval()
 
 

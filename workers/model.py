@@ -7,6 +7,8 @@ transformers' Llama code in the same order and dtype so greedy output matches `g
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -67,12 +69,16 @@ class Linear(nn.Linear):
 
 
 class RMSNorm(nn.Module):
+    kernels: ModuleType | None = None  # workers.cpu_kernels, on fp32 CPUs
+
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None:
+            return self.kernels.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -80,6 +86,8 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
+    kernels: ModuleType | None = None  # workers.cpu_kernels, on fp32 CPUs
+
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
@@ -105,15 +113,21 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         tokens = x.shape[0]
         qkv = self.qkv_proj(x).view(tokens, -1, self.head_dim)  # [tokens, heads + 2 kv_heads, d]
-        # q and k are rotated in one go: the same elementwise ops, half the op launches
-        qk = rotate(qkv[:, : self.num_heads + self.num_kv_heads], cos, sin)
+        rotated = self.num_heads + self.num_kv_heads
+        if self.kernels is not None:  # q and k rotated in place, one pass
+            self.kernels.rotary_(qkv, rotated, cos, sin)
+            qk = qkv[:, :rotated]
+        else:  # q and k rotated in one go: the same elementwise ops, half the op launches
+            qk = rotate(qkv[:, :rotated], cos, sin)
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
-        v = qkv[:, self.num_heads + self.num_kv_heads :]
+        v = qkv[:, rotated:]
         out = backend(q, k, v, kv[0], kv[1], meta, self.scale)  # [tokens, heads, head_dim]
         return self.o_proj(out.reshape(tokens, -1))
 
 
 class MLP(nn.Module):
+    kernels: ModuleType | None = None  # workers.cpu_kernels, on fp32 CPUs
+
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         self.intermediate = config.intermediate_size
@@ -122,7 +136,10 @@ class MLP(nn.Module):
         self.down_proj = Linear(self.intermediate, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.kernels is not None:
+            return self.down_proj(self.kernels.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -176,6 +193,12 @@ class CausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack_for_onednn()
+
+    def use_cpu_kernels(self, kernels: ModuleType) -> None:
+        """fp32 CPU only: norms, RoPE and the MLP activation in kvserve's fused C++ kernels."""
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, Attention, MLP)):
+                module.kernels = kernels
 
     def load_checkpoint(self, tensors: dict[str, torch.Tensor]) -> None:
         """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up."""

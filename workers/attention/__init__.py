@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 import importlib.util
-from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -32,19 +32,18 @@ def resolve_backend_name(name: str, device: torch.device) -> str:
     return name
 
 
-def make_backend(name: str, build_root: Path) -> PagedAttention:
-    """The backend `name` resolves to; `cpu` builds its kernel under `build_root` on first use and
-    falls back to torch where it cannot be built."""
+def make_backend(name: str, cpu_kernels: ModuleType | None = None) -> PagedAttention:
+    """The backend `name` resolves to; `cpu` without `cpu_kernels` (workers.cpu_kernels, which
+    could not be built) is the torch backend."""
     if name == "flash_attn":
         from workers.attention.flash_backend import FlashAttention
 
         return FlashAttention()
     if name == "cpu":
-        from workers.attention.cpu_backend import CPUAttention, load_paged_decode
+        from workers.attention.cpu_backend import CPUAttention
 
-        paged_decode = load_paged_decode(build_root)
-        if paged_decode is not None:
-            return CPUAttention(paged_decode)
+        if cpu_kernels is not None:
+            return CPUAttention(cpu_kernels)
     return TorchAttention()
 
 

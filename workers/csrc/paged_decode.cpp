@@ -1,6 +1,6 @@
 // Paged decode attention for CPUs: one query token per sequence, keys and values read in place
 // from the block pool (no gather copy), each KV head's block read once for all of its query heads.
-// fp32 only. Built at first use by workers/attention/cpu_backend.py (torch.utils.cpp_extension).
+// fp32 only. Built at first use with the other CPU kernels: see workers/cpu_kernels.py.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -121,8 +121,4 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
     default: TORCH_CHECK(false, "paged_decode: head_dim 64 or 128");
   }
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "paged decode attention (fp32, CPU)");
 }
