@@ -278,7 +278,13 @@ def _add_bench(sub) -> None:
     t.add_argument("--hf-sequential-requests", type=int, default=4,
                    help="HF generate() is slow: time this many requests, report tok/s")
     t.add_argument("--skip-hf", action="store_true", help="only measure kvserve")
-    t.add_argument("--json", action="store_true", help="print one JSON object")
+    t.add_argument("--repeats", type=int, default=1,
+                   help="rounds, each timing every contender in turn; each reports its best "
+                        "round (a shared machine's slow rounds measure its neighbours)")
+    t.add_argument("--json", action="store_true",
+                   help="print one JSON object (kvserve_tok_s, hf_generate_tok_s, "
+                        "hf_generate_batch_tok_s, decode_ms_per_token, "
+                        "bandwidth_limit_ms_per_token, speedups, runs: every round's numbers)")
     add_engine_args(t)
     t.set_defaults(run=_run_bench_throughput)
     _add_bench_serve(bench)
@@ -324,7 +330,7 @@ def _run_bench_throughput(args: argparse.Namespace) -> int:
     report = run_throughput_bench(
         engine_config(args), requests=args.requests, prompt_len=args.prompt_len,
         output_len=args.output_len, hf_sequential_requests=args.hf_sequential_requests,
-        skip_hf=args.skip_hf, progress=not args.json,
+        skip_hf=args.skip_hf, repeats=args.repeats, progress=not args.json,
     )
     print(json.dumps(report, indent=2) if args.json else report["summary"])
     return 0

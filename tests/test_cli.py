@@ -88,10 +88,15 @@ def test_bench_throughput_json_reports_every_contender():
         "1",
         "--kv-cache-memory",
         "64MiB",
+        "--repeats",
+        "2",
         "--json",
     )
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
+    assert len(report["runs"]["kvserve_tok_s"]) == 2
+    assert report["kvserve_tok_s"] == max(report["runs"]["kvserve_tok_s"])
+    assert report["decode_ms_per_token"] == min(report["runs"]["decode_ms_per_token"])
     for key in (
         "kvserve_tok_s",
         "hf_generate_tok_s",
