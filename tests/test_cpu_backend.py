@@ -160,3 +160,14 @@ def test_engine_uses_the_kernels_only_for_fp32_on_cpu(make_tiny_engine):
     bf16 = make_tiny_engine(dtype="bfloat16")
     assert bf16.model.layers[0].mlp.kernels is None
     assert bf16.info.attention_backend == "torch"
+
+
+def test_kernels_refuse_what_they_do_not_cover(cpu_kernels):
+    with pytest.raises(RuntimeError, match="rms_norm"):
+        cpu_kernels.rms_norm(torch.randn(2, 8, dtype=torch.float64), torch.ones(8), 1e-5)
+    with pytest.raises(RuntimeError, match="rotary_"):
+        cpu_kernels.rotary_(torch.randn(2, 3, 64), 3, torch.ones(1, 64), torch.ones(1, 64))
+    q, k_cache, v_cache, meta = _decode_batch([5, 9], 9, 3, 64)
+    with pytest.raises(RuntimeError, match="one block table"):
+        cpu_kernels.paged_decode(q, k_cache, v_cache, meta.decode_block_tables[:1],
+                                 meta.decode_context_lens, 0.125)

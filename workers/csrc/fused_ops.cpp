@@ -19,7 +19,8 @@ void check_rows(const at::Tensor& x, const char* name) {
 // x: [rows, hidden] -> weight * x / sqrt(mean(x^2) + eps), as transformers' LlamaRMSNorm
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_rows(x, "rms_norm");
-  TORCH_CHECK(x.dim() == 2 && weight.is_contiguous(), "rms_norm: x [rows, hidden]");
+  TORCH_CHECK(x.dim() == 2 && weight.scalar_type() == at::kFloat && weight.is_contiguous() &&
+              weight.numel() == x.size(1), "rms_norm: x [rows, hidden], fp32 weight [hidden]");
   const int64_t rows = x.size(0), hidden = x.size(1), stride = x.stride(0);
   auto out = at::empty({rows, hidden}, x.options());
   const float* in = x.data_ptr<float>();
@@ -65,8 +66,12 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
 // cos, sin: [tokens, D].
 void rotary_(at::Tensor& x, int64_t heads, const at::Tensor& cos, const at::Tensor& sin) {
   check_rows(x, "rotary_");
-  TORCH_CHECK(x.dim() == 3 && x.stride(1) == x.size(2) && cos.is_contiguous() &&
-              sin.is_contiguous(), "rotary_: x [tokens, heads, D] with dense heads");
+  TORCH_CHECK(x.dim() == 3 && x.stride(1) == x.size(2) && heads <= x.size(1),
+              "rotary_: x [tokens, heads, D] with dense heads");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
+              cos.is_contiguous() && sin.is_contiguous() && cos.size(0) == x.size(0) &&
+              cos.size(1) == x.size(2) && sin.sizes() == cos.sizes(),
+              "rotary_: fp32 cos, sin [tokens, D]");
   const int64_t tokens = x.size(0), D = x.size(2), half = D / 2, stride = x.stride(0);
   float* base = x.data_ptr<float>();
   const float* c = cos.data_ptr<float>();

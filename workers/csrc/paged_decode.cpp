@@ -110,6 +110,10 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_decode: caches dense");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() &&
               context_lens.scalar_type() == at::kInt, "paged_decode: int32 tables and lengths");
+  TORCH_CHECK(block_tables.size(0) == q.size(0) && context_lens.size(0) == q.size(0),
+              "paged_decode: one block table and one length per sequence");
+  TORCH_CHECK(context_lens.numel() == 0 || context_lens.min().item<int32_t>() >= 1,
+              "paged_decode: every sequence attends to at least one token");
   const int64_t heads = q.size(1), kv_heads = k_cache.size(2);
   TORCH_CHECK(heads % kv_heads == 0 && heads / kv_heads <= kMaxGroup,
               "paged_decode: at most 16 query heads per KV head");
