@@ -11,7 +11,7 @@ from workers.attention import make_backend, resolve_backend_name
 from workers.attention.cpu_backend import CPUAttention
 from workers.attention.metadata import AttentionMetadata
 from workers.attention.torch_backend import TorchAttention
-from workers.cpu_kernels import load_cpu_kernels
+from workers.cpu_kernels import STALE_LOCK_S, clear_stale_lock, load_cpu_kernels
 from workers.loader import cache_root
 from workers.model import RMSNorm
 from workers.rope import rotate
@@ -171,3 +171,14 @@ def test_kernels_refuse_what_they_do_not_cover(cpu_kernels):
     with pytest.raises(RuntimeError, match="one block table"):
         cpu_kernels.paged_decode(q, k_cache, v_cache, meta.decode_block_tables[:1],
                                  meta.decode_context_lens, 0.125)
+
+
+def test_a_killed_builds_lock_is_cleared_a_live_one_kept(tmp_path):
+    assert not clear_stale_lock(tmp_path, now=1e9)  # no lock at all
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    mtime = lock.stat().st_mtime
+    assert not clear_stale_lock(tmp_path, now=mtime + 30)  # a build in progress
+    assert lock.exists()
+    assert clear_stale_lock(tmp_path, now=mtime + STALE_LOCK_S + 1)
+    assert not lock.exists()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -29,6 +30,9 @@ SOURCES = [Path(__file__).with_name("csrc") / name
 # -ffast-math: glibc's vector expf (libmvec) is declared only under it; the kernels see only
 # finite values, and reassociated sums are what vectorizing them means
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
+# torch's build lock is a file that a killed build leaves behind, and every later load would
+# wait on it for ever; a build takes well under a minute, so a lock this old is stale
+STALE_LOCK_S = 600
 
 
 def load_cpu_kernels(build_root: Path) -> ModuleType | None:
@@ -39,9 +43,23 @@ def load_cpu_kernels(build_root: Path) -> ModuleType | None:
     build_dir = build_root / version.replace("+", "_")
     try:
         build_dir.mkdir(parents=True, exist_ok=True)
+        clear_stale_lock(build_dir, time.time())
         return load(name="kvserve_cpu_kernels", sources=[str(s) for s in SOURCES],
                     build_directory=str(build_dir), extra_cflags=CFLAGS,
                     extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # no compiler, no ninja, a read-only cache: torch ops still work
         log.warning("CPU kernels unavailable, running torch ops instead: %s", exc)
         return None
+
+
+def clear_stale_lock(build_dir: Path, now: float) -> bool:
+    """Remove torch's build lock in `build_dir` if it is older than STALE_LOCK_S."""
+    lock = build_dir / "lock"
+    try:
+        if now - lock.stat().st_mtime <= STALE_LOCK_S:
+            return False
+        lock.unlink()
+    except FileNotFoundError:
+        return False
+    log.warning("removed a stale kernel build lock (%s)", lock)
+    return True
