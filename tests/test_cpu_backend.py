@@ -171,6 +171,9 @@ def test_kernels_refuse_what_they_do_not_cover(cpu_kernels):
     with pytest.raises(RuntimeError, match="one block table"):
         cpu_kernels.paged_decode(q, k_cache, v_cache, meta.decode_block_tables[:1],
                                  meta.decode_context_lens, 0.125)
+    too_long = meta.decode_context_lens + 16 * meta.decode_block_tables.shape[1]
+    with pytest.raises(RuntimeError, match="attends to"):
+        cpu_kernels.paged_decode(q, k_cache, v_cache, meta.decode_block_tables, too_long, 0.125)
 
 
 def test_a_killed_builds_lock_is_cleared_a_live_one_kept(tmp_path):

@@ -112,8 +112,13 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
               context_lens.scalar_type() == at::kInt, "paged_decode: int32 tables and lengths");
   TORCH_CHECK(block_tables.size(0) == q.size(0) && context_lens.size(0) == q.size(0),
               "paged_decode: one block table and one length per sequence");
-  TORCH_CHECK(context_lens.numel() == 0 || context_lens.min().item<int32_t>() >= 1,
-              "paged_decode: every sequence attends to at least one token");
+  TORCH_CHECK(context_lens.is_contiguous(), "paged_decode: dense context_lens");
+  // a plain loop, not a tensor reduction: this runs once per layer of every decode step
+  const int32_t* lens = context_lens.data_ptr<int32_t>();
+  const int64_t capacity = block_tables.size(1) * k_cache.size(1);
+  for (int64_t s = 0; s < q.size(0); ++s)
+    TORCH_CHECK(lens[s] >= 1 && lens[s] <= capacity,
+                "paged_decode: every sequence attends to 1..(its block table's tokens) tokens");
   const int64_t heads = q.size(1), kv_heads = k_cache.size(2);
   TORCH_CHECK(heads % kv_heads == 0 && heads / kv_heads <= kMaxGroup,
               "paged_decode: at most 16 query heads per KV head");
