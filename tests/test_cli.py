@@ -96,7 +96,12 @@ def test_bench_throughput_json_reports_every_contender():
     report = json.loads(out.stdout)
     assert len(report["runs"]["kvserve_tok_s"]) == 2
     assert report["kvserve_tok_s"] == max(report["runs"]["kvserve_tok_s"])
-    assert report["decode_ms_per_token"] == min(report["runs"]["decode_ms_per_token"])
+    best = report["runs"]["decode_vs_bandwidth_limit"].index(report["decode_vs_bandwidth_limit"])
+    assert report["decode_vs_bandwidth_limit"] == min(report["runs"]["decode_vs_bandwidth_limit"])
+    for key in ("decode_ms_per_token", "bandwidth_gb_s", "bandwidth_limit_ms_per_token"):
+        assert report[key] == report["runs"][key][best], key  # one round's numbers, together
+    assert report["decode_vs_bandwidth_limit"] == pytest.approx(
+        report["decode_ms_per_token"] / report["bandwidth_limit_ms_per_token"])
     for key in (
         "kvserve_tok_s",
         "hf_generate_tok_s",

@@ -25,7 +25,8 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name("csrc") / name
-           for name in ("bindings.cpp", "paged_decode.cpp", "fused_ops.cpp")]
+           for name in ("bindings.cpp", "paged_decode.cpp", "fused_ops.cpp", "linear.cpp",
+                          "decode_layer.cpp")]
 # -march=native: the build directory belongs to this machine (kvserve's cache directory).
 # -ffast-math: glibc's vector expf (libmvec) is declared only under it; the kernels see only
 # finite values, and reassociated sums are what vectorizing them means

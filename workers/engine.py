@@ -351,10 +351,10 @@ def _build_model(
     if ckpt.config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.load_checkpoint(dict(ckpt.tensors))
-    if device.type == "cpu" and onednn_available():
-        model.use_onednn_matmuls()
     if cpu_kernels is not None:
         model.use_cpu_kernels(cpu_kernels)
+    if device.type == "cpu" and onednn_available():
+        model.use_onednn_matmuls()
     return model.eval()
 
 

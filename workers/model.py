@@ -15,6 +15,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from workers.attention import AttentionMetadata
+from workers.attention.cpu_backend import CPUAttention
 from workers.rope import rotate
 
 
@@ -37,23 +38,30 @@ PACK_ROWS = 32
 
 
 class Linear(nn.Linear):
-    """nn.Linear that can run on oneDNN on CPU, its weight prepacked into oneDNN's layout.
+    """nn.Linear that runs, on CPU, kvserve's own kernel or oneDNN, its weight prepacked.
 
-    Prepacked oneDNN beats F.linear's MKL path at every batch size we step with on this CPU
-    (measured: ~2x at 1 row, which is memory-bound, ~2.2x at 32 rows, ~1.25x at 512; unpacked
-    oneDNN reorders the weight on every call and is ~25 % slower at 32 rows). Each row's output is
-    bit-identical at every row count, so batching does not change a request's numbers. But oneDNN
-    keeps memory for every row count it has run (measured: ~0.5 MB per count and weight shape,
-    1.1 GB after rows 1..512 for our 4 projection shapes; F.linear keeps none), and a serving
-    step's token count takes any value up to the budget: so rows are padded to `padded_rows`.
+    With kvserve's CPU kernels (fp32, AVX-512) the weight is packed into 48-output panels and
+    `kernels.linear` computes each output as one multiply-add chain over the inputs in order, so
+    a row's numbers are the same at every batch size; at one row it is a single sequential read of
+    the weights, which is what bounds batch-1 decode (measured on SmolLM2's shapes: 1.1-1.8x
+    prepacked oneDNN at 1, 8 and 32 rows, equal at 256).
+
+    Otherwise prepacked oneDNN: it beats F.linear's MKL path at every batch size we step with on
+    this CPU (~2x at 1 row, ~2.2x at 32, ~1.25x at 512), and each row's output is bit-identical at
+    every row count too. But oneDNN keeps memory for every row count it has run (~0.5 MB per count
+    and weight shape; F.linear keeps none), and a serving step's token count takes any value up to
+    the budget: so its rows are padded to `padded_rows`.
     """
 
     use_onednn: bool = False
+    kernels: ModuleType | None = None  # workers.cpu_kernels, when the weight is packed for it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None:  # x: [rows, in_features]
+            return self.kernels.linear(x, self.weight, self.out_features, self.bias)
         if not self.use_onednn:
             return F.linear(x, self.weight, self.bias)
-        rows = x.shape[0]  # x: [rows, in_features]
+        rows = x.shape[0]
         pad = padded_rows(rows) - rows
         if pad:
             x = F.pad(x, (0, 0, 0, pad))
@@ -66,6 +74,12 @@ class Linear(nn.Linear):
         packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), PACK_ROWS)
         self.weight = nn.Parameter(packed, requires_grad=False)
         self.use_onednn = True
+
+    def pack_for_kernels(self, kernels: ModuleType) -> None:
+        """Swap the weight for panels of `kernels.linear` (as `pack_for_onednn` does)."""
+        packed = kernels.pack_linear_weight(self.weight.detach())
+        self.weight = nn.Parameter(packed, requires_grad=False)
+        self.kernels = kernels
 
 
 class RMSNorm(nn.Module):
@@ -155,8 +169,21 @@ class DecoderLayer(nn.Module):
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv, meta, backend)
         return h + self.mlp(self.post_attention_layernorm(h))
 
+    def decode_weights(self) -> list[torch.Tensor]:
+        """The tensors `kernels.decode_layer` takes, in its order (an empty tensor: no bias)."""
+        attn, mlp, none = self.self_attn, self.mlp, torch.empty(0)
+        return [
+            self.input_layernorm.weight, attn.qkv_proj.weight, _or(attn.qkv_proj.bias, none),
+            attn.o_proj.weight, _or(attn.o_proj.bias, none), self.post_attention_layernorm.weight,
+            mlp.gate_up_proj.weight, _or(mlp.gate_up_proj.bias, none), mlp.down_proj.weight,
+            _or(mlp.down_proj.bias, none),
+        ]
+
 
 class CausalLM(nn.Module):
+    decode_kernels: ModuleType | None = None  # workers.cpu_kernels, for decode-only steps
+    decode_weights: list[list[torch.Tensor]]  # per layer, as `DecoderLayer.decode_weights`
+
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         self.config = config
@@ -179,8 +206,23 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids: [tokens] -> hidden states [tokens, hidden] (final norm not applied)."""
         h = self.embed_tokens(input_ids)
+        if self.decode_kernels is not None and backend.name == "cpu" and not meta.prefills:
+            return self._decode_in_kernels(h, cos, sin, kv_cache, meta)
         for layer, kv in zip(self.layers, kv_cache, strict=True):
             h = layer(h, cos, sin, kv, meta, backend)
+        return h
+
+    def _decode_in_kernels(self, h, cos, sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        """A decode-only step, a layer per C++ call (`workers/csrc/decode_layer.cpp`): the same
+        kernels in the same order as `forward`'s layers with the `cpu` backend, without Python's
+        per-op overhead."""
+        attn = self.layers[0].self_attn
+        dims = [attn.num_heads, attn.num_kv_heads, attn.head_dim, self.layers[0].mlp.intermediate]
+        eps = self.layers[0].input_layernorm.eps
+        for weights, (k_cache, v_cache) in zip(self.decode_weights, kv_cache, strict=True):
+            h = self.decode_kernels.decode_layer(
+                h, weights, dims, cos, sin, k_cache, v_cache, meta.slot_mapping,
+                meta.decode_block_tables, meta.decode_context_lens, attn.scale, eps)
         return h
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -188,17 +230,27 @@ class CausalLM(nn.Module):
         return self.lm_head(self.norm(h)).float()
 
     def use_onednn_matmuls(self) -> None:
-        """CPU only: route every projection through oneDNN, weights prepacked (see `Linear`).
-        A tied lm_head gets its own packed copy; the embedding keeps the plain table."""
+        """CPU only: route the projections `use_cpu_kernels` did not take through oneDNN,
+        weights prepacked (see `Linear`). A tied lm_head gets its own packed copy; the embedding
+        keeps the plain table."""
         for module in self.modules():
-            if isinstance(module, Linear):
+            if isinstance(module, Linear) and module.kernels is None:
                 module.pack_for_onednn()
 
     def use_cpu_kernels(self, kernels: ModuleType) -> None:
-        """fp32 CPU only: norms, RoPE and the MLP activation in kvserve's fused C++ kernels."""
+        """fp32 CPU only: norms, RoPE, the MLP activation and (with AVX-512) the projections in
+        kvserve's C++ kernels; a tied lm_head gets its own packed copy, as with oneDNN. Where
+        the `cpu` attention backend covers the shapes, decode-only steps run a layer per call."""
         for module in self.modules():
             if isinstance(module, (RMSNorm, Attention, MLP)):
                 module.kernels = kernels
+            elif isinstance(module, Linear) and kernels.linear_available():
+                module.pack_for_kernels(kernels)
+        attn = self.layers[0].self_attn
+        if kernels.linear_available() and CPUAttention.covers_shape(
+                self.lm_head.weight.dtype, attn.num_heads, attn.num_kv_heads, attn.head_dim):
+            self.decode_kernels = kernels
+            self.decode_weights = [layer.decode_weights() for layer in self.layers]
 
     def load_checkpoint(self, tensors: dict[str, torch.Tensor]) -> None:
         """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up."""
@@ -221,6 +273,10 @@ class CausalLM(nn.Module):
         ]
         if missing:
             raise KeyError(f"checkpoint lacks {missing[:5]}")
+
+
+def _or(tensor: torch.Tensor | None, default: torch.Tensor) -> torch.Tensor:
+    return default if tensor is None else tensor
 
 
 def _fuse(

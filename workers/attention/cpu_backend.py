@@ -39,7 +39,10 @@ class CPUAttention(TorchAttention):
     @staticmethod
     def covers(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
         heads, head_dim = q.shape[1:]
-        kv_heads = k_cache.shape[2]
-        return (q.dtype == k_cache.dtype == torch.float32 and q.device.type == "cpu"
-                and head_dim in HEAD_DIMS and heads % kv_heads == 0
+        return (q.dtype == k_cache.dtype and q.device.type == "cpu"
+                and CPUAttention.covers_shape(q.dtype, heads, k_cache.shape[2], head_dim))
+
+    @staticmethod
+    def covers_shape(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> bool:
+        return (dtype == torch.float32 and head_dim in HEAD_DIMS and heads % kv_heads == 0
                 and heads // kv_heads <= MAX_GROUP)

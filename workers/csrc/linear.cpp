@@ -1,0 +1,111 @@
+// A batch-invariant fp32 linear layer for CPUs: out = x W^T (+ bias), W prepacked in panels.
+//
+// Every output element is one fused multiply-add chain over k = 0..K-1, in that order, whatever
+// the row count or the tile it lands in: a row's numbers are the same alone or in a batch of 32
+// (greedy and seeded outputs do not depend on their neighbours). The panel layout makes a
+// one-row product a single sequential stream of the weights, which is what bounds batch-1 decode.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kNR = 48;  // outputs per panel: 3 AVX-512 vectors
+constexpr int64_t kMR = 8;   // rows per tile: 8 x 3 accumulators fill 24 of the 32 registers
+
+#ifdef __AVX512F__
+
+// out[m, :n_valid] = x[m, :] . panel (+ bias) for MR rows; panel: [K, kNR]
+template <int MR>
+void tile(const float* x, int64_t ldx, const float* __restrict__ panel, int64_t K,
+          float* out, int64_t ldo, int64_t n_valid, const float* bias) {
+  __m512 acc[MR][3];
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < 3; ++j) acc[m][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const float* w = panel + k * kNR;
+    const __m512 w0 = _mm512_load_ps(w), w1 = _mm512_load_ps(w + 16), w2 = _mm512_load_ps(w + 32);
+    for (int m = 0; m < MR; ++m) {
+      const __m512 a = _mm512_set1_ps(x[m * ldx + k]);
+      acc[m][0] = _mm512_fmadd_ps(a, w0, acc[m][0]);
+      acc[m][1] = _mm512_fmadd_ps(a, w1, acc[m][1]);
+      acc[m][2] = _mm512_fmadd_ps(a, w2, acc[m][2]);
+    }
+  }
+  for (int j = 0; j < 3; ++j) {
+    const int64_t left = std::clamp<int64_t>(n_valid - 16 * j, 0, 16);
+    const __mmask16 mask = static_cast<__mmask16>((1u << left) - 1u);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + 16 * j) : _mm512_setzero_ps();
+    for (int m = 0; m < MR; ++m)
+      _mm512_mask_storeu_ps(out + m * ldo + 16 * j, mask, _mm512_add_ps(acc[m][j], b));
+  }
+}
+
+using TileFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t,
+                        const float*);
+constexpr TileFn kTiles[kMR + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>,
+                                    tile<5>, tile<6>, tile<7>, tile<8>};
+
+#endif
+
+}  // namespace
+
+bool linear_available() {
+#ifdef __AVX512F__
+  return true;
+#else
+  return false;
+#endif
+}
+
+// w: [N, K] -> panels [ceil(N / 48), K, 48], zero-padded past N
+at::Tensor pack_linear_weight(const at::Tensor& w) {
+  TORCH_CHECK(w.scalar_type() == at::kFloat && w.dim() == 2, "pack_linear_weight: fp32 [N, K]");
+  const int64_t N = w.size(0), K = w.size(1), panels = (N + kNR - 1) / kNR;
+  auto padded = at::zeros({panels * kNR, K}, w.options());
+  padded.narrow(0, 0, N).copy_(w);
+  return padded.view({panels, kNR, K}).transpose(1, 2).contiguous();
+}
+
+// x: [rows, K] (dense last dim), packed: [panels, K, 48] -> [rows, n]
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                  const c10::optional<at::Tensor>& bias) {
+#ifdef __AVX512F__
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
+              "linear: fp32 x [rows, K] with a dense last dim");
+  const int64_t rows = x.size(0), K = x.size(1), panels = packed.size(0);
+  TORCH_CHECK(packed.is_contiguous() && packed.dim() == 3 && packed.size(1) == K &&
+              packed.size(2) == kNR && n > (panels - 1) * kNR && n <= panels * kNR,
+              "linear: packed weight [panels, K, 48] for ", n, " outputs and K = ", K);
+  const float* b = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
+                "linear: fp32 bias [n]");
+    b = bias->data_ptr<float>();
+  }
+  auto out = at::empty({rows, n}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = packed.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t ldx = x.stride(0);
+  // panels split over threads; each panel stays in cache while every row tile reads it
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t n0 = p * kNR, n_valid = std::min(kNR, n - n0);
+      for (int64_t m0 = 0; m0 < rows; m0 += kMR) {
+        const int64_t mr = std::min(kMR, rows - m0);
+        kTiles[mr](xp + m0 * ldx, ldx, wp + p * K * kNR, K, op + m0 * n + n0, n, n_valid,
+                   b ? b + n0 : nullptr);
+      }
+    }
+  });
+  return out;
+#else
+  TORCH_CHECK(false, "linear: built without AVX-512");
+#endif
+}
