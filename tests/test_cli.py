@@ -98,8 +98,11 @@ def test_bench_throughput_json_reports_every_contender():
     assert report["kvserve_tok_s"] == max(report["runs"]["kvserve_tok_s"])
     best = report["runs"]["decode_vs_bandwidth_limit"].index(report["decode_vs_bandwidth_limit"])
     assert report["decode_vs_bandwidth_limit"] == min(report["runs"]["decode_vs_bandwidth_limit"])
-    for key in ("decode_ms_per_token", "bandwidth_gb_s", "bandwidth_limit_ms_per_token"):
+    for key in ("decode_ms_per_token", "bandwidth_gb_s", "bandwidth_limit_ms_per_token",
+                "weights_read_ms", "decode_vs_weights_read"):
         assert report[key] == report["runs"][key][best], key  # one round's numbers, together
+    assert report["decode_vs_weights_read"] == pytest.approx(
+        report["decode_ms_per_token"] / report["weights_read_ms"])
     assert report["decode_vs_bandwidth_limit"] == pytest.approx(
         report["decode_ms_per_token"] / report["bandwidth_limit_ms_per_token"])
     for key in (

@@ -8,6 +8,11 @@ import torch.nn.functional as F
 
 from workers.attention import make_backend
 from workers.attention.metadata import AttentionMetadata
+from workers.bench.baselines import (
+    decode_step_weights,
+    weight_bytes_per_decode_step,
+    weights_read_seconds,
+)
 from workers.cpu_kernels import load_cpu_kernels
 from workers.engine import _build_model
 from workers.loader import cache_root
@@ -132,3 +137,13 @@ def test_decode_layer_only_where_the_cpu_backend_covers_the_shapes(kernels):
     covered = _build_model(tiny_checkpoint(**COVERED), torch.device("cpu"), torch.float32, kernels)
     assert covered.lm_head.kernels is kernels
     assert covered.lm_head.weight.data_ptr() != covered.embed_tokens.weight.data_ptr()
+
+
+def test_a_decode_step_reads_every_weight_once_and_no_embedding(kernels):
+    model = _build_model(tiny_checkpoint(**COVERED), torch.device("cpu"), torch.float32, kernels)
+    ids = {id(t) for t in decode_step_weights(model)}
+    assert id(model.embed_tokens.weight) not in ids
+    assert id(model.lm_head.weight) in ids  # tied, but packed into its own copy
+    expected = sum(p.numel() * 4 for name, p in model.named_parameters() if "embed" not in name)
+    assert weight_bytes_per_decode_step(model) == expected
+    assert weights_read_seconds(model, repeats=2) > 0

@@ -1,5 +1,8 @@
 """kvserve's C++ kernels for fp32 CPUs (`workers/csrc/`), built at first use.
 
+- `linear` (`pack_linear_weight`): every projection, batch-invariant, weights in 48-output
+  panels (AVX-512 builds only; `linear_available()` says; otherwise oneDNN runs them).
+- `decode_layer`: a whole decoder layer of a decode-only step in one call, over the kernels here.
 - `paged_decode`: decode attention read in place through the block table (the `cpu` attention
   backend, `workers/attention/cpu_backend.py`).
 - `rms_norm`, `silu_and_mul`, `rotary_`: the decoder layer's elementwise work, one pass each

@@ -187,17 +187,31 @@ def measure_memory_bandwidth(num_bytes: int = 512 * 2**20, repeats: int = 5) -> 
     return data.numel() * data.element_size() / best
 
 
-def weight_bytes_per_decode_step(model: torch.nn.Module) -> int:
-    """Bytes of weights read by one decode step: every parameter once, except embedding tables
-    (a lookup reads one row per token). A tied lm_head shares the table and counts through it;
-    a oneDNN-packed one is a separate tensor of the same size."""
-    seen: set[int] = set()
-    total = 0
+def decode_step_weights(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The weights one decode step reads: every parameter once, except embedding tables (a
+    lookup reads one row per token). A tied lm_head shares the table and counts through it; a
+    packed one (oneDNN or kvserve's kernels) is a separate tensor of the same size."""
+    seen: dict[int, torch.Tensor] = {}
     for module in model.modules():
-        if isinstance(module, torch.nn.Embedding):
-            continue
-        for tensor in module.parameters(recurse=False):
-            if id(tensor) not in seen:
-                seen.add(id(tensor))
-                total += tensor.numel() * tensor.element_size()
-    return total
+        if not isinstance(module, torch.nn.Embedding):
+            for tensor in module.parameters(recurse=False):
+                seen.setdefault(id(tensor), tensor)
+    return list(seen.values())
+
+
+def weight_bytes_per_decode_step(model: torch.nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in decode_step_weights(model))
+
+
+def weights_read_seconds(model: torch.nn.Module, repeats: int = 5) -> float:
+    """Seconds to read every weight of a decode step once (a `sum()` each, best of `repeats`):
+    the bandwidth bound for the memory the weights actually live in, which on a VM can read
+    slower than the fresh buffer `measure_memory_bandwidth` sums."""
+    weights = decode_step_weights(model)
+    best = math.inf
+    for _ in range(max(1, repeats)):
+        start = time.perf_counter()
+        for tensor in weights:
+            tensor.sum()
+        best = min(best, time.perf_counter() - start)
+    return best
