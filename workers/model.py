@@ -43,8 +43,8 @@ class Linear(nn.Linear):
     With kvserve's CPU kernels (fp32, AVX-512) the weight is packed into 48-output panels and
     `kernels.linear` computes each output as one multiply-add chain over the inputs in order, so
     a row's numbers are the same at every batch size; at one row it is a single sequential read of
-    the weights, which is what bounds batch-1 decode (measured on SmolLM2's shapes: 1.1-1.8x
-    prepacked oneDNN at 1, 8 and 32 rows, equal at 256).
+    the weights, which is what bounds batch-1 decode (measured on SmolLM2's shapes against
+    prepacked oneDNN: 1.1-3x faster at 1 row, 1.04-1.3x at 32 rows, equal at 256).
 
     Otherwise prepacked oneDNN: it beats F.linear's MKL path at every batch size we step with on
     this CPU (~2x at 1 row, ~2.2x at 32, ~1.25x at 512), and each row's output is bit-identical at
