@@ -73,6 +73,10 @@ def test_linear_refuses_what_it_does_not_cover(kernels):
         kernels.linear(torch.randn(2, 32), packed, 200, None)
     with pytest.raises(RuntimeError, match="bias"):
         kernels.linear(torch.randn(2, 32), packed, 60, torch.randn(59))
+    misaligned = torch.empty(packed.numel() + 4)[4:].view(packed.shape)  # 16 bytes in
+    misaligned.copy_(packed)
+    with pytest.raises(RuntimeError, match="64-byte"):
+        kernels.linear(torch.randn(2, 32), misaligned, 60, None)
 
 
 def test_linear_module_packs_for_the_kernels(kernels):

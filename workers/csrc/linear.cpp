@@ -8,6 +8,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cstdint>
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -82,6 +83,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
   TORCH_CHECK(packed.is_contiguous() && packed.dim() == 3 && packed.size(1) == K &&
               packed.size(2) == kNR && n > (panels - 1) * kNR && n <= panels * kNR,
               "linear: packed weight [panels, K, 48] for ", n, " outputs and K = ", K);
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(packed.data_ptr()) % 64 == 0,
+              "linear: packed weight must start on a 64-byte boundary (pack_linear_weight's)");
   const float* b = nullptr;
   if (bias.has_value()) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
