@@ -17,6 +17,7 @@ sums (vectorized reductions, fused multiply-adds): the greedy exactness suite me
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import sys
 import time
@@ -27,9 +28,10 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name("csrc") / name
-           for name in ("bindings.cpp", "paged_decode.cpp", "fused_ops.cpp", "linear.cpp",
-                          "decode_layer.cpp")]
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = [CSRC / name for name in ("bindings.cpp", "paged_decode.cpp", "fused_ops.cpp",
+                                    "linear.cpp", "decode_layer.cpp")]
+HEADER = CSRC / "kernels.h"
 # -march=native: the build directory belongs to this machine (kvserve's cache directory).
 # -ffast-math: glibc's vector expf (libmvec) is declared only under it; the kernels see only
 # finite values, and reassociated sums are what vectorizing them means
@@ -48,8 +50,12 @@ def load_cpu_kernels(build_root: Path) -> ModuleType | None:
     try:
         build_dir.mkdir(parents=True, exist_ok=True)
         clear_stale_lock(build_dir, time.time())
+        # torch rebuilds when a source or a flag changes, but it does not read headers: the
+        # header's digest goes in as a flag
+        header = hashlib.sha256(HEADER.read_bytes()).hexdigest()[:16]
         return load(name="kvserve_cpu_kernels", sources=[str(s) for s in SOURCES],
-                    build_directory=str(build_dir), extra_cflags=CFLAGS,
+                    build_directory=str(build_dir),
+                    extra_cflags=[*CFLAGS, f"-DKVSERVE_KERNELS_H={header}"],
                     extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # no compiler, no ninja, a read-only cache: torch ops still work
         log.warning("CPU kernels unavailable, running torch ops instead: %s", exc)

@@ -2,22 +2,11 @@
 // as the Python layer (workers/model.py) with the `cpu` attention backend, so the numbers are
 // bit-identical; what goes is ~14 Python op launches per layer (~2.5 ms a step at batch 1, where
 // the projections take ~18 ms).
-#include <torch/extension.h>
-
-#include <vector>
-
-at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                        const at::Tensor& block_tables, const at::Tensor& context_lens,
-                        double scale);
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
-at::Tensor silu_and_mul(const at::Tensor& gate_up);
-void rotary_(at::Tensor& x, int64_t heads, const at::Tensor& cos, const at::Tensor& sin);
-at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
-                  const c10::optional<at::Tensor>& bias);
+#include "kernels.h"
 
 namespace {
 
-// weights: the layer's tensors in `kWeightOrder`; an empty tensor is a missing bias
+// weights: the layer's tensors in `Weight` order; an empty tensor is a missing bias
 enum Weight { kInNorm, kQKV, kQKVBias, kO, kOBias, kPostNorm, kGateUp, kGateUpBias, kDown,
               kDownBias, kNumWeights };
 

@@ -1,0 +1,22 @@
+// kvserve's CPU kernels, declared once for bindings.cpp and for the kernels that call others.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <vector>
+
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& block_tables, const at::Tensor& context_lens,
+                        double scale);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+at::Tensor silu_and_mul(const at::Tensor& gate_up);
+void rotary_(at::Tensor& x, int64_t heads, const at::Tensor& cos, const at::Tensor& sin);
+bool linear_available();
+at::Tensor pack_linear_weight(const at::Tensor& w);
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                  const c10::optional<at::Tensor>& bias);
+at::Tensor decode_layer(const at::Tensor& h, const std::vector<at::Tensor>& w,
+                        const std::vector<int64_t>& dims, const at::Tensor& cos,
+                        const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache,
+                        const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                        const at::Tensor& context_lens, double scale, double eps);
