@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,7 +13,13 @@ from workers.attention import make_backend, resolve_backend_name
 from workers.attention.cpu_backend import CPUAttention
 from workers.attention.metadata import AttentionMetadata
 from workers.attention.torch_backend import TorchAttention
-from workers.cpu_kernels import STALE_LOCK_S, clear_stale_lock, load_cpu_kernels
+from workers.cpu_kernels import (
+    STALE_LOCK_S,
+    build_dir_name,
+    clear_stale_lock,
+    cpu_features,
+    load_cpu_kernels,
+)
 from workers.loader import cache_root
 from workers.model import RMSNorm
 from workers.rope import rotate
@@ -185,3 +193,16 @@ def test_a_killed_builds_lock_is_cleared_a_live_one_kept(tmp_path):
     assert lock.exists()
     assert clear_stale_lock(tmp_path, now=mtime + STALE_LOCK_S + 1)
     assert not lock.exists()
+
+
+def test_each_cpu_type_gets_its_own_build():
+    """-march=native builds must not be shared between CPUs of a cluster with one home dir."""
+    avx512 = build_dir_name("2.13.0+cpu", "model name: EPYC\nflags: avx2 avx512f")
+    avx2 = build_dir_name("2.13.0+cpu", "model name: Xeon\nflags: avx2")
+    assert avx512 != avx2
+    assert avx512 == build_dir_name("2.13.0+cpu", "model name: EPYC\nflags: avx2 avx512f")
+    assert avx512.startswith("torch-2.13.0_cpu-py") and "+" not in avx512
+    features = cpu_features()
+    assert features
+    if sys.platform.startswith("linux"):  # from /proc/cpuinfo: the flags say AVX-512 or not
+        assert "flags" in features and "model name" in features

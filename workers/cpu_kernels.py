@@ -10,8 +10,8 @@
   thousand floats with cold caches after a matmul, cost ~25 % of the step on this CPU.
 
 They are compiled with the machine's C++ compiler by `torch.utils.cpp_extension` (~40 s, once per
-torch version, cached under kvserve's cache directory). Where that fails the engine runs the
-torch ops instead, with one warning. Results differ from torch's only in the order of float
+torch version and CPU type, cached under kvserve's cache directory). Where that fails the engine
+runs the torch ops instead, with one warning. Results differ from torch's only in the order of float
 sums (vectorized reductions, fused multiply-adds): the greedy exactness suite meets no near-tie.
 """
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import platform
 import sys
 import time
 from pathlib import Path
@@ -45,8 +46,7 @@ def load_cpu_kernels(build_root: Path) -> ModuleType | None:
     """Build (or reuse) the kernels; None, with a warning, where they cannot be built."""
     from torch.utils.cpp_extension import load
 
-    version = f"torch-{torch.__version__}-py{sys.version_info.major}{sys.version_info.minor}"
-    build_dir = build_root / version.replace("+", "_")
+    build_dir = build_root / build_dir_name(torch.__version__, cpu_features())
     try:
         build_dir.mkdir(parents=True, exist_ok=True)
         clear_stale_lock(build_dir, time.time())
@@ -60,6 +60,26 @@ def load_cpu_kernels(build_root: Path) -> ModuleType | None:
     except Exception as exc:  # no compiler, no ninja, a read-only cache: torch ops still work
         log.warning("CPU kernels unavailable, running torch ops instead: %s", exc)
         return None
+
+
+def build_dir_name(torch_version: str, features: str) -> str:
+    """One build per torch, Python and CPU feature set: with -march=native, a build made on one
+    node of a cluster sharing a home directory would die of an illegal instruction on an older
+    one (no AVX-512, say)."""
+    python = f"py{sys.version_info.major}{sys.version_info.minor}"
+    cpu = hashlib.sha256(features.encode()).hexdigest()[:12]
+    return f"torch-{torch_version}-{python}-cpu-{cpu}".replace("+", "_")
+
+
+def cpu_features() -> str:
+    """The CPU's model and instruction-set flags (Linux's /proc/cpuinfo), else the platform's
+    processor string."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or platform.machine()
+    wanted = ("model name", "flags")
+    return "\n".join(sorted({ln for ln in lines if ln.split(":")[0].strip() in wanted}))
 
 
 def clear_stale_lock(build_dir: Path, now: float) -> bool:
