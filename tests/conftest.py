@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from workers.config import EngineConfig
+from workers.cpu_kernels import load_cpu_kernels
 from workers.engine import LLMEngine
-from workers.loader import resolve_model_dir
+from workers.loader import cache_root, resolve_model_dir
 from workers.tiny import tiny_checkpoint
 
 
@@ -32,6 +33,14 @@ def hf_model(model_dir: Path):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def cpu_kernels():
+    """kvserve's C++ CPU kernels, built (or reused) in the cache directory."""
+    kernels = load_cpu_kernels(cache_root() / "kernels")
+    assert kernels is not None, "the kernels must build on this machine"
+    return kernels
 
 
 @pytest.fixture(scope="module")

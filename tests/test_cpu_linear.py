@@ -13,20 +13,16 @@ from workers.bench.baselines import (
     weight_bytes_per_decode_step,
     weights_read_seconds,
 )
-from workers.cpu_kernels import load_cpu_kernels
 from workers.engine import _build_model
-from workers.loader import cache_root
 from workers.model import Linear
 from workers.tiny import tiny_checkpoint
 
 
 @pytest.fixture(scope="module")
-def kernels():
-    kernels = load_cpu_kernels(cache_root() / "kernels")
-    assert kernels is not None, "the kernels must build on this machine"
-    if not kernels.linear_available():
+def kernels(cpu_kernels):
+    if not cpu_kernels.linear_available():
         pytest.skip("linear needs AVX-512")
-    return kernels
+    return cpu_kernels
 
 
 @pytest.mark.parametrize(("n", "k"), [(48, 64), (50, 7), (960, 576), (130, 1536)])
