@@ -2,13 +2,15 @@
 
 The first replica of a deployment starts it (`get_or_start`); Ray restarts it if it dies, and
 the restarted manager rebuilds Redis from the replicas' full reports. Without a Redis URL it
-runs an embedded redis-server in a directory named after the node and deployment, and a
-restarted manager reuses it. `kvserve down` calls `shutdown`: it deletes the deployment's keys,
-stops the embedded server and ends the actor.
+runs an embedded redis-server in a directory named after the node and deployment; the server
+dies with the manager's process, and a manager starting up removes the directories (and any
+server still answering there) that managers gone before it left behind. `kvserve down` calls
+`shutdown`: it deletes the deployment's keys, stops the embedded server and ends the actor.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import tempfile
@@ -18,9 +20,10 @@ import ray
 
 from cache_manager.index import KVIndex, ReplicaReport
 from cache_manager.manager import CacheManager, ReplicaState
-from cache_manager.redis_server import connect
+from cache_manager.redis_server import REDIS_URL_ENV, connect, remove_stale
 
 MANAGER_NAMESPACE = "kvserve"
+EMBEDDED_PREFIX = "kvserve-redis-"  # + node + deployment: an embedded server's directory
 
 
 def deployment_key(app_name: str, deployment_name: str) -> str:
@@ -36,6 +39,8 @@ def manager_name(deployment: str) -> str:
 class CacheManagerActor:
     def __init__(self, deployment: str, redis_url: str | None, lease_ttl_s: float) -> None:
         self.deployment = deployment
+        if not (redis_url or os.environ.get(REDIS_URL_ENV)):
+            remove_stale(list(_embedded_dir(deployment).parent.glob(f"{EMBEDDED_PREFIX}*")))
         self.redis = connect(redis_url, _embedded_dir(deployment))
         self.manager = CacheManager(KVIndex(self.redis.client, deployment, lease_ttl_s))
 
@@ -101,4 +106,4 @@ def shutdown(deployment: str, timeout_s: float = 10.0) -> int | None:
 def _embedded_dir(deployment: str) -> Path:
     node = ray.get_runtime_context().get_node_id()[:12]
     safe = re.sub(r"[^A-Za-z0-9_.-]", "_", deployment)
-    return Path(tempfile.gettempdir()) / f"kvserve-redis-{node}-{safe}"
+    return Path(tempfile.gettempdir()) / f"{EMBEDDED_PREFIX}{node}-{safe}"

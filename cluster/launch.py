@@ -1,16 +1,19 @@
-"""`kvserve up`: start (or join) Ray, deploy the app behind Ray Serve's gRPC proxy, serve until
-Ctrl-C, then shut down cleanly."""
+"""`kvserve up`: start (or join) Ray, deploy the app behind Ray Serve's gRPC proxy; serve until
+Ctrl-C or SIGTERM and then shut down cleanly, or (`--detach`) return and leave it running."""
 
 from __future__ import annotations
 
 import os
-import signal
-import threading
+import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from cache_manager import actor as cache_manager
 from cluster.app import GRPC_SERVICER_FUNCTIONS, AppConfig, build_app
+from kvserve.process import signals_ignored, sigterm_as_interrupt
+from workers.loader import DEFAULT_MODEL
+
+if TYPE_CHECKING:
+    from cluster.local_head import UpState
 
 APP_NAME = "kvserve"
 
@@ -29,52 +32,59 @@ def load_config(path: str | None, overrides: dict[str, Any]) -> AppConfig:
 
 def serve_until_interrupted(config_path: str | None, overrides: dict[str, Any],
                             grpc_port: int) -> int:
-    import ray
-    from ray import serve
-    from ray.serve.config import gRPCOptions
+    """`kvserve up`: deploy as `start` does, serve until SIGINT or SIGTERM (one sent to the
+    whole process group, as `timeout` sends it, included), then take down what it started.
+    Its head is tied to this process: a SIGKILL of it takes the head down too."""
+    from cluster import local_head, status_cli
 
     config = load_config(config_path, overrides)
-    context = ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=False)
-    serve.start(grpc_options=gRPCOptions(port=grpc_port,
-                                         grpc_servicer_functions=GRPC_SERVICER_FUNCTIONS))
-    serve.run(build_app(config), name=APP_NAME)
-    print(f"kvserve: serving {config.model or 'SmolLM2-135M-Instruct'} with "
-          f"{config.replicas} replica(s)", flush=True)
-    print(f"kvserve: gRPC at 127.0.0.1:{grpc_port} (metadata application={APP_NAME})", flush=True)
-    if getattr(context, "dashboard_url", None):
-        print(f"kvserve: Ray dashboard at http://{context.dashboard_url}", flush=True)
-    print("kvserve: Ctrl-C to stop", flush=True)
-    stop = threading.Event()
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    stop.wait()
+    with sigterm_as_interrupt():
+        state = start(config, grpc_port, fate_share=True)
+        if state is None:
+            return 1
+        try:
+            print("kvserve: Ctrl-C to stop", flush=True)
+            while not state.started_head or state.head_alive():
+                time.sleep(1.0)
+            print("kvserve: the Ray head stopped (kvserve down?); exiting", flush=True)
+            local_head.remove_state()
+            return 1
+        except KeyboardInterrupt:
+            pass
     print("kvserve: shutting down", flush=True)
-    serve.delete(APP_NAME)  # replicas first: they report to the cache manager until they stop
-    cache_manager.shutdown(cache_manager.deployment_key(APP_NAME, "Generation"))
-    serve.shutdown()
-    ray.shutdown()
+    with signals_ignored():  # a second signal must not leave half a cluster behind
+        status_cli.down(state.address)
     return 0
 
 
 def deploy_detached(config_path: str | None, overrides: dict[str, Any], grpc_port: int) -> int:
-    """`kvserve up --detach`: deploy onto RAY_ADDRESS's cluster, or onto a Ray head started here
-    as its own process, record it (cluster/local_head.py) and return; `kvserve down` stops it."""
+    """`kvserve up --detach`: deploy as `start` does and return; `kvserve down` stops it."""
+    state = start(load_config(config_path, overrides), grpc_port, fate_share=False)
+    if state is None:
+        return 1
+    print("kvserve: check with: kvserve status; stop with: kvserve down", flush=True)
+    return 0
+
+
+def start(config: AppConfig, grpc_port: int, fate_share: bool) -> UpState | None:
+    """Deploy onto RAY_ADDRESS's cluster, or onto a Ray head started here as its own process
+    (cluster/local_head.py), and record it in the state file for `kvserve status` / `down`.
+    `fate_share`: the head ends when this process does. None (and a message) on failure."""
     import sys
 
     from cluster import local_head
 
-    config = load_config(config_path, overrides)
     address = os.environ.get("RAY_ADDRESS") or None
-    previous = local_head.read_state()
-    if previous is not None and previous.head_alive():
+    previous = local_head.read_live_state()
+    if previous is not None and previous.started_head:
         print(f"kvserve: already up (Ray head at {previous.address}, gRPC at "
               f"127.0.0.1:{previous.grpc_port}); stop it first with: kvserve down",
               file=sys.stderr)
-        return 1
+        return None
     if address is None:
         replicas = config.autoscaling.max_replicas if config.autoscaling else config.replicas
         cpus = local_head.num_cpus_for(replicas * config.num_cpus_per_replica)
-        state = local_head.start_head(cpus)
+        state = local_head.start_head(cpus, fate_share=fate_share)
     else:
         state = local_head.UpState(address=address, started_head=False, grpc_port=grpc_port)
     state.grpc_port = grpc_port
@@ -85,29 +95,29 @@ def deploy_detached(config_path: str | None, overrides: dict[str, Any], grpc_por
             local_head.stop_head(state.head_pid, state.temp_dir)
         if isinstance(exc, Exception):
             print(f"kvserve: deployment failed: {exc}", file=sys.stderr)
-            return 1
+            return None
         raise
     state.dashboard_url = state.dashboard_url or dashboard
     local_head.write_state(state)
-    print(f"kvserve: serving {config.model or 'SmolLM2-135M-Instruct'} with "
+    print(f"kvserve: serving {config.model or DEFAULT_MODEL} with "
           f"{config.replicas} replica(s) on the Ray cluster at {state.address}"
           f"{' (started by kvserve)' if state.started_head else ''}", flush=True)
     print(f"kvserve: gRPC at 127.0.0.1:{grpc_port} (metadata application={APP_NAME})", flush=True)
     if state.dashboard_url:
         print(f"kvserve: Ray dashboard at {state.dashboard_url}", flush=True)
-    print("kvserve: check with: kvserve status; stop with: kvserve down", flush=True)
-    return 0
+    if state.env and "RAY_AUTH_TOKEN_PATH" in state.env:
+        print(f"kvserve: Ray auth token (dashboard, drivers) in {state.env['RAY_AUTH_TOKEN_PATH']}",
+              flush=True)
+    return state
 
 
 def _deploy(config: AppConfig, state: Any, grpc_port: int) -> str | None:
-    import ray
     from ray import serve
     from ray.serve.config import gRPCOptions
 
-    from cluster.local_head import apply_env, free_port
+    from cluster.local_head import connect_driver, disconnect_driver, free_port
 
-    apply_env(state.env)
-    context = ray.init(address=state.address, log_to_driver=False)
+    context = connect_driver(state.address, state.env)
     try:
         serve.start(
             grpc_options=gRPCOptions(port=grpc_port,
@@ -119,4 +129,4 @@ def _deploy(config: AppConfig, state: Any, grpc_port: int) -> str | None:
         url = getattr(context, "dashboard_url", None)
         return f"http://{url}" if url else None
     finally:
-        ray.shutdown()
+        disconnect_driver()

@@ -6,6 +6,15 @@ temp dir keeps its address out of `/tmp/ray/ray_current_cluster`, so a plain `ra
 elsewhere on the machine never joins it by accident; the session lets `kvserve down` stop
 exactly this cluster's processes. (`ray stop` would stop every Ray process on the machine,
 other users' clusters included.)
+
+The head uses Ray's token authentication (it listens on ports) with a token kvserve makes for
+it: a file in the head's own temp dir, named to the head and to every driver through
+`RAY_AUTH_TOKEN_PATH` (recorded in the state file). Nothing depends on `~/.ray/auth_token`, so
+the first command on a machine that has never run Ray works.
+
+A head started for the caller's lifetime only (`kvserve up` in the foreground, `kvserve
+loadtest`'s local deployment) is tied to it with a parent-death signal: however the caller
+dies, even by SIGKILL, the head gets SIGTERM and takes its processes with it.
 """
 
 from __future__ import annotations
@@ -14,6 +23,7 @@ import contextlib
 import json
 import math
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -23,13 +33,14 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
+from kvserve.process import die_with_parent, pid_alive, sigterm_handler_kept
 from workers.loader import cache_root
 
 STATE_FILE = "up.json"
-# `ray start` turns on token auth when ~/.ray/auth_token exists; ray.init() as a client only
-# sends the token in token mode. So the head and every driver we connect to it agree on it.
-AUTH_ENV = {"RAY_AUTH_MODE": "token"}
+TOKEN_FILE = "auth_token"  # in the head's temp dir, mode 0600
+TEMP_PREFIX = "kvserve-ray-"  # the head's temp dir: short, Ray puts unix sockets there
 
 
 @dataclass
@@ -40,7 +51,7 @@ class UpState:
     head_pid: int | None = None  # `ray start --block`, leader of the head's session
     temp_dir: str | None = None
     dashboard_url: str | None = None
-    env: dict[str, str] | None = None  # environment drivers need to connect
+    env: dict[str, str] | None = None  # environment drivers need to connect (auth token)
 
     def head_alive(self) -> bool:
         return self.head_pid is not None and _is_head(self.head_pid, self.temp_dir)
@@ -57,6 +68,18 @@ def read_state() -> UpState | None:
         return None
 
 
+def read_live_state() -> UpState | None:
+    """The recorded deployment, unless kvserve started its head and the head is gone (killed
+    with its owner, a reboot): then the record and the head's temp dir are removed."""
+    state = read_state()
+    if state is None or not state.started_head or state.head_alive():
+        return state
+    remove_state()
+    if state.temp_dir and Path(state.temp_dir).name.startswith(TEMP_PREFIX):
+        shutil.rmtree(state.temp_dir, ignore_errors=True)
+    return None
+
+
 def write_state(state: UpState) -> None:
     path = state_path()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -70,15 +93,49 @@ def remove_state() -> None:
         state_path().unlink()
 
 
+def auth_env(temp_dir: str) -> dict[str, str]:
+    """Token mode, with the token in the head's own temp dir (written by `write_token`)."""
+    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(Path(temp_dir) / TOKEN_FILE)}
+
+
+def write_token(temp_dir: str) -> None:
+    path = Path(temp_dir) / TOKEN_FILE
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+
+
 def apply_env(env: dict[str, str] | None) -> None:
     """Make this process a driver that can connect to the recorded head (before ray.init)."""
     if not env:
         return
+    if "RAY_AUTH_TOKEN_PATH" in env:
+        os.environ.pop("RAY_AUTH_TOKEN", None)  # it would win over the head's own token file
     os.environ.update(env)
     if "RAY_AUTH_MODE" in env:
-        from ray._raylet import Config
+        from ray._raylet import AuthenticationTokenLoader, Config
 
         Config.initialize("")  # Ray reads RAY_AUTH_MODE when imported; re-read it (as Ray does)
+        AuthenticationTokenLoader.instance().reset_cache()  # and the token, from the new path
+
+
+def connect_driver(address: str, env: dict[str, str] | None = None, **init_kwargs: Any) -> Any:
+    """`ray.init` as a driver of the cluster at `address` (with a recorded head's `env`),
+    keeping this process's SIGTERM handler. Returns Ray's context."""
+    import ray
+
+    apply_env(env)
+    with sigterm_handler_kept():
+        return ray.init(address=address, log_to_driver=False, **init_kwargs)
+
+
+def disconnect_driver() -> None:
+    """`ray.shutdown`, keeping this process's SIGTERM handler."""
+    import ray
+
+    if ray.is_initialized():
+        with sigterm_handler_kept():
+            ray.shutdown()
 
 
 def free_port() -> int:
@@ -91,10 +148,13 @@ def num_cpus_for(cpus_needed: float) -> int:
     return max(os.cpu_count() or 1, math.ceil(cpus_needed))
 
 
-def start_head(num_cpus: int, timeout: float = 120) -> UpState:
-    """`ray start --head --block` in its own session; returns once the GCS address is known."""
+def start_head(num_cpus: int, timeout: float = 120, fate_share: bool = False) -> UpState:
+    """`ray start --head --block` in its own session; returns once the GCS address is known.
+
+    `fate_share`: the head gets SIGTERM when this thread's process dies, however it dies."""
     ray_bin = Path(sys.executable).with_name("ray")
-    temp_dir = tempfile.mkdtemp(prefix="kvserve-ray-")  # short: Ray puts unix sockets here
+    temp_dir = tempfile.mkdtemp(prefix=TEMP_PREFIX)
+    write_token(temp_dir)
     dashboard_port = free_port()
     cmd = [
         str(ray_bin), "start", "--head", "--block", "--disable-usage-stats",
@@ -104,12 +164,14 @@ def start_head(num_cpus: int, timeout: float = 120) -> UpState:
         f"--dashboard-agent-listen-port={free_port()}", f"--temp-dir={temp_dir}",
     ]
     # a one-node head has nowhere to drain replicas to: stop at once on SIGTERM
-    env = os.environ | AUTH_ENV | {"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
-    env.pop("RAY_ADDRESS", None)
+    env = os.environ | auth_env(temp_dir) | {"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
+    for name in ("RAY_ADDRESS", "RAY_AUTH_TOKEN"):
+        env.pop(name, None)
     log = open(Path(temp_dir) / "ray-start.log", "w")  # noqa: SIM115 - handed to the child
     with log:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log,
-                                stderr=subprocess.STDOUT, env=env, start_new_session=True)
+                                stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                preexec_fn=die_with_parent() if fate_share else None)
     address_file = Path(temp_dir) / "ray_current_cluster"
     deadline = time.monotonic() + timeout
     while not address_file.exists() or not address_file.read_text().strip():
@@ -120,18 +182,19 @@ def start_head(num_cpus: int, timeout: float = 120) -> UpState:
         time.sleep(0.2)
     return UpState(address=address_file.read_text().strip(), started_head=True, grpc_port=0,
                    head_pid=proc.pid, temp_dir=temp_dir,
-                   dashboard_url=f"http://127.0.0.1:{dashboard_port}", env=dict(AUTH_ENV))
+                   dashboard_url=f"http://127.0.0.1:{dashboard_port}", env=auth_env(temp_dir))
+
 
 
 def stop_head(head_pid: int, temp_dir: str | None, timeout: float = 30) -> None:
     """SIGTERM the `ray start --block` process (it stops its raylet, GCS, dashboard, ...), then
     SIGKILL whatever of its session is left (workers run in process groups of their own)."""
-    if _alive(head_pid) and not _is_head(head_pid, temp_dir):
+    if pid_alive(head_pid) and not _is_head(head_pid, temp_dir):
         return  # the pid was reused by someone else: their processes are not ours to stop
     with contextlib.suppress(ProcessLookupError):
         os.kill(head_pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout
-    while _alive(head_pid) and time.monotonic() < deadline:
+    while pid_alive(head_pid) and time.monotonic() < deadline:
         time.sleep(0.2)
     leftovers = _session_pids(head_pid)
     for pid in leftovers:
@@ -152,7 +215,7 @@ def _session_pids(sid: int) -> list[int]:
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                if os.getsid(int(entry.name)) == sid and _alive(int(entry.name)):
+                if os.getsid(int(entry.name)) == sid and pid_alive(int(entry.name)):
                     pids.append(int(entry.name))
             except (ProcessLookupError, PermissionError):
                 continue
@@ -164,15 +227,7 @@ def _is_head(pid: int, temp_dir: str | None) -> bool:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
     except OSError:
         return False
-    return _alive(pid) and "start --head" in cmdline and (not temp_dir or temp_dir in cmdline)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie is dead
-    except (FileNotFoundError, IndexError):
-        return False
+    return pid_alive(pid) and "start --head" in cmdline and (not temp_dir or temp_dir in cmdline)
 
 
 def reachable(address: str, timeout: float = 2.0) -> bool:

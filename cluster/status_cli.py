@@ -23,10 +23,7 @@ class NothingRunning(Exception):
 
 
 def _target(address: str | None) -> tuple[str, local_head.UpState | None]:
-    state = local_head.read_state()
-    if state is not None and state.started_head and not state.head_alive():
-        local_head.remove_state()  # the head we started is gone (reboot, killed): forget it
-        state = None
+    state = local_head.read_live_state()
     explicit = address or os.environ.get("RAY_ADDRESS") or None
     if explicit and explicit != "auto":
         recorded = state if state is not None and state.address == explicit else None
@@ -46,11 +43,8 @@ def connect(address: str | None) -> tuple[str, local_head.UpState | None]:
     target, state = _target(address)
     if not local_head.reachable(target):
         raise NothingRunning(f"no Ray cluster at {target}")
-    local_head.apply_env(state.env if state else None)
-    import ray
-
     try:
-        ray.init(address=target, log_to_driver=False, logging_level="ERROR")
+        local_head.connect_driver(target, state.env if state else None, logging_level="ERROR")
     except (ConnectionError, RuntimeError) as exc:
         raise NothingRunning(f"cannot connect to the Ray cluster at {target}: {exc}") from exc
     return target, state
@@ -130,12 +124,11 @@ def status(address: str | None, as_json: bool) -> int:
     except NothingRunning as exc:
         print(f"kvserve: nothing deployed: {exc}", file=sys.stderr)
         return 1
-    import ray
 
     try:
         report = collect_status()
     finally:
-        ray.shutdown()
+        local_head.disconnect_driver()
     if report is None:
         print(f"kvserve: nothing deployed: no '{APP_NAME}' application on the Ray cluster at "
               f"{target}", file=sys.stderr)
@@ -186,14 +179,13 @@ def cache_check(address: str | None, as_json: bool) -> int:
     except NothingRunning as exc:
         print(f"kvserve: nothing deployed: {exc}", file=sys.stderr)
         return 1
-    import ray
 
     from cluster import cache_check as check
 
     try:
         return check.run(APP_NAME, as_json)
     finally:
-        ray.shutdown()
+        local_head.disconnect_driver()
 
 
 # -- down ----------------------------------------------------------------------------------
@@ -203,7 +195,6 @@ def down(address: str | None) -> int:
     except NothingRunning as exc:
         print(f"kvserve: nothing running: {exc}", file=sys.stderr)
         return 1
-    import ray
     from ray import serve
 
     from cache_manager import actor as cache_manager
@@ -222,7 +213,7 @@ def down(address: str | None) -> int:
         if stop_head:
             serve.shutdown()  # before the head goes: nothing left to drain
     finally:
-        ray.shutdown()
+        local_head.disconnect_driver()
     if stop_head:
         start = time.monotonic()
         local_head.stop_head(state.head_pid, state.temp_dir)

@@ -7,7 +7,7 @@ import json
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stdout
 from pathlib import Path
 
 DESCRIPTION = """\
@@ -59,8 +59,9 @@ def add_loadtest(sub) -> None:
 
 def run_loadtest(args: argparse.Namespace) -> int:
     from cluster.loadtest import LoadtestConfig, run_load, run_sweep
+    from kvserve.process import sigterm_as_interrupt
 
-    with _deployment(args) as (target, read_rss, wait_idle):
+    with sigterm_as_interrupt(), _deployment(args) as (target, read_rss, wait_idle):
         if target is None:
             return 1
         cfg = LoadtestConfig(target=target, out=args.out, users=args.users[0],
@@ -78,31 +79,38 @@ def run_loadtest(args: argparse.Namespace) -> int:
 @contextmanager
 def _deployment(args: argparse.Namespace) -> Iterator[tuple]:
     """(target, read_rss or None, wait_idle): the given target or a local deployment."""
-    from cluster import status_cli
+    from cluster import local_head, status_cli
 
     started = args.target is None
     target = args.target
     if started:
-        target = _start_local(args.config)
+        with redirect_stdout(sys.stderr):  # its progress; stdout is the summary (--json)
+            target = _start_local(args.config)
         if target is None:
             yield None, None, None
             return
-    read_rss, wait_idle = _ray_readers(args.address)
     try:
+        read_rss, wait_idle = _ray_readers(args.address)
         yield target, read_rss, wait_idle
     finally:
-        _disconnect()
+        local_head.disconnect_driver()
         if started:
-            status_cli.down(None)
+            from kvserve.process import signals_ignored
+
+            # a second signal must not leave half a cluster behind
+            with signals_ignored(), redirect_stdout(sys.stderr):
+                status_cli.down(None)
 
 
 def _start_local(config: str | None) -> str | None:
-    from cluster.launch import deploy_detached
+    """A 1-replica deployment on a head tied to this process (it ends with it, however)."""
+    from cluster.launch import load_config, start
     from cluster.local_head import free_port
 
     port = free_port()
     overrides = {} if config else {"replicas": 1}
-    return f"127.0.0.1:{port}" if deploy_detached(config, overrides, port) == 0 else None
+    state = start(load_config(config, overrides), port, fate_share=True)
+    return None if state is None else f"127.0.0.1:{port}"
 
 
 def _ray_readers(address: str | None) -> tuple[Callable | None, Callable[[], None]]:
@@ -125,13 +133,6 @@ def _ray_readers(address: str | None) -> tuple[Callable | None, Callable[[], Non
             time.sleep(1)
 
     return replica_rss_from_ray, wait_idle
-
-
-def _disconnect() -> None:
-    import ray
-
-    if ray.is_initialized():
-        ray.shutdown()
 
 
 def _write_reports(args: argparse.Namespace, summaries: list) -> None:

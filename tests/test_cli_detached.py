@@ -1,43 +1,79 @@
-"""`kvserve up --detach` -> `kvserve status` -> `kvserve generate --target` -> `kvserve down`, each
-a subprocess as users run them, on a Ray head that `up --detach` starts and `down` stops."""
+"""`kvserve up --detach` -> `kvserve status` -> `kvserve generate --target` -> `kvserve cache
+check` -> `kvserve down`, each a subprocess as users run them, on a Ray head that `up --detach`
+starts and `down` stops, as a new user runs them: an empty HOME (no ~/.ray/auth_token, no
+~/.cache), a fresh cache dir, the default embedded Redis."""
 
 from __future__ import annotations
 
 import json
 import os
 import subprocess
+import tempfile
+import time
+from pathlib import Path
 
-from cache_manager.redis_server import start_embedded
+import redis
+
+from cache_manager.actor import EMBEDDED_PREFIX
+from cache_manager.redis_server import owner_alive
 from cluster import local_head
 from tests.serving import free_port
 from tests.test_cli import KVSERVE
 
 
-def test_up_detach_status_generate_down(model_dir, tmp_path, monkeypatch):
-    # a private cache dir (the state file lives there), holding the already-converted model
-    cache = tmp_path / "cache"
+def new_user_env(model_dir: Path, tmp_path: Path) -> dict[str, str]:
+    """The environment of a user on a machine that never ran Ray or kvserve: an empty HOME and
+    an empty cache dir, except the already-converted model (and the built kernels) linked in."""
+    home, cache = tmp_path / "home", tmp_path / "cache"
+    home.mkdir()
     cache.mkdir()
     (cache / model_dir.name).symlink_to(model_dir, target_is_directory=True)
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env["KVSERVE_CACHE_DIR"] = str(cache)
-    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(cache))  # local_head.read_state() below
+    kernels = model_dir.parent / "kernels"
+    if kernels.is_dir():
+        (cache / "kernels").symlink_to(kernels, target_is_directory=True)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RAY_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_MODE",
+                        "REDIS_URL")}
+    return env | {"HOME": str(home), "KVSERVE_CACHE_DIR": str(cache)}
+
+
+def embedded_redis_dirs(since: float) -> list[Path]:
+    """The cache managers' embedded Redis directories made since `since` whose owner lives."""
+    return [d for d in Path(tempfile.gettempdir()).glob(f"{EMBEDDED_PREFIX}*")
+            if d.stat().st_mtime >= since and owner_alive(d)]
+
+
+def redis_server_pids(data_dir: Path) -> list[int]:
+    from tests.test_redis_lifetime import _server_pids
+
+    return _server_pids(data_dir)
+
+
+def test_up_detach_status_generate_down(model_dir, tmp_path, monkeypatch):
+    env = new_user_env(model_dir, tmp_path)
+    home = Path(env["HOME"])
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", env["KVSERVE_CACHE_DIR"])  # read_state() below
 
     def kvserve(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
         return subprocess.run([*KVSERVE, *args], capture_output=True, text=True, env=env,
                               timeout=timeout)
 
     port = free_port()
-    redis = start_embedded(tmp_path / "redis")  # the cache manager's index, via --redis-url
     namespace = "kvserve:kvserve.Generation:*"
+    started = time.time() - 1
     try:
-        up = kvserve("up", "--detach", "--grpc-port", str(port), "--kv-cache-memory", "256MiB",
-                     "--redis-url", redis.url)
+        up = kvserve("up", "--detach", "--grpc-port", str(port), "--kv-cache-memory", "256MiB")
         assert up.returncode == 0, up.stdout + up.stderr
         assert f"127.0.0.1:{port}" in up.stdout
         assert "dashboard at http://127.0.0.1:" in up.stdout
         assert "kvserve down" in up.stdout
         state = local_head.read_state()
         assert state is not None and state.started_head and state.head_alive()
+        # the head's own token, in its own state dir, named to every driver: not ~/.ray's
+        token = Path(state.env["RAY_AUTH_TOKEN_PATH"])
+        assert state.env["RAY_AUTH_MODE"] == "token" and token.parent == Path(state.temp_dir)
+        assert token.stat().st_mode & 0o777 == 0o600 and len(token.read_text()) >= 32
+        assert f"auth token (dashboard, drivers) in {token}" in up.stdout
 
         again = kvserve("up", "--detach", "--grpc-port", str(free_port()))
         assert again.returncode == 1 and "already up" in again.stderr
@@ -60,7 +96,10 @@ def test_up_detach_status_generate_down(model_dir, tmp_path, monkeypatch):
             assert gen.returncode == 0, gen.stderr
             result = json.loads(gen.stdout)
             assert len(result["token_ids"]) == 4 and result["finish_reason"] == "length"
-        keys = set(redis.client.scan_iter(match=namespace))
+        [redis_dir] = embedded_redis_dirs(started)  # the cache manager's own redis-server
+        assert len(redis_server_pids(redis_dir)) == 1
+        index = redis.Redis.from_url(f"unix://{redis_dir / 'redis.sock'}")
+        keys = set(index.scan_iter(match=namespace))
         assert any(k.endswith(b":blocks:device") for k in keys), keys  # the index is in Redis
 
         check = kvserve("cache", "check")
@@ -77,10 +116,12 @@ def test_up_detach_status_generate_down(model_dir, tmp_path, monkeypatch):
         assert down.returncode == 0, down.stderr
         assert "stopped the Ray head" in down.stdout
         assert "deleted its Redis keys" in down.stdout
-        assert list(redis.client.scan_iter(match=namespace)) == []  # acceptance 6
-        assert local_head.read_state() is None
+        index.close()
+        assert local_head.read_state() is None  # no state file left
         assert not local_head._session_pids(state.head_pid), "Ray processes left behind"
         assert not os.path.exists(state.temp_dir)
+        assert not redis_server_pids(redis_dir) and not redis_dir.exists(), "Redis left behind"
+        assert not (home / ".ray").exists()  # nothing relied on, or wrote, ~/.ray
 
         gone = kvserve("status")
         assert gone.returncode == 1
@@ -88,7 +129,6 @@ def test_up_detach_status_generate_down(model_dir, tmp_path, monkeypatch):
         again_down = kvserve("down")
         assert again_down.returncode == 1 and "nothing running" in again_down.stderr
     finally:
-        redis.close()
         leftover = local_head.read_state()
         if leftover is not None and leftover.started_head and leftover.head_pid:
             local_head.stop_head(leftover.head_pid, leftover.temp_dir)

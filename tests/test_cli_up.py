@@ -1,16 +1,22 @@
-"""`kvserve up`, then `kvserve generate --target`, then Ctrl-C: as the README describes."""
+"""`kvserve up` in the foreground, then `kvserve generate --target` and `kvserve status`, then
+SIGTERM to its whole process group (as `timeout` and process managers send it, and as Ctrl-C
+sends SIGINT): it shuts down promptly and leaves nothing behind. Run as a new user: an empty
+HOME and cache dir (tests/test_cli_detached.py)."""
 
 from __future__ import annotations
 
 import json
+import os
 import queue
 import signal
 import subprocess
 import threading
 import time
 
+from cluster import local_head
 from tests.serving import free_port
-from tests.test_cli import KVSERVE, run
+from tests.test_cli import KVSERVE
+from tests.test_cli_detached import embedded_redis_dirs, new_user_env, redis_server_pids
 
 
 def _lines(proc: subprocess.Popen) -> queue.Queue:
@@ -31,30 +37,57 @@ def _wait_for(lines: queue.Queue, needle: str, timeout: float) -> list[str]:
     raise AssertionError(f"no {needle!r} within {timeout}s; output: {''.join(seen)[-2000:]}")
 
 
-def test_up_generate_target_and_ctrl_c():
+def test_up_generate_status_and_sigterm_to_its_process_group(model_dir, tmp_path, monkeypatch):
+    env = new_user_env(model_dir, tmp_path)
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", env["KVSERVE_CACHE_DIR"])  # read_state() below
     port = free_port()
+    started = time.time() - 1
     proc = subprocess.Popen(
         [*KVSERVE, "up", "--grpc-port", str(port), "--kv-cache-memory", "256MiB"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        start_new_session=True,  # its own process group, so the test can signal all of it
     )
+
+    def kvserve(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([*KVSERVE, *args], capture_output=True, text=True, env=env,
+                              timeout=300)
+
+    state = None
     try:
         lines = _lines(proc)
         seen = _wait_for(lines, "Ctrl-C to stop", timeout=240)
         assert any(f"127.0.0.1:{port}" in line for line in seen)
+        state = local_head.read_state()
+        assert state is not None and state.started_head and state.head_alive()
+        [redis_dir] = embedded_redis_dirs(started)
         target = f"127.0.0.1:{port}"
-        out = run("generate", "The capital of France is", "--target", target,
-                  "--max-tokens", "8", "--json")
+        out = kvserve("generate", "The capital of France is", "--target", target,
+                      "--max-tokens", "8", "--json")
         assert out.returncode == 0, out.stderr
         result = json.loads(out.stdout)
         assert len(result["token_ids"]) == 8 and result["finish_reason"] == "length"
         assert "Paris" in result["text"]
-        bad = run("generate", "hi", "--target", target, "--top-p", "1.5")
+        bad = kvserve("generate", "hi", "--target", target, "--top-p", "1.5")
         assert bad.returncode == 2
         assert "INVALID_ARGUMENT" in bad.stderr and "top_p" in bad.stderr
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=120) == 0
+        status = kvserve("status", "--json")  # the foreground deployment is recorded too
+        assert status.returncode == 0, status.stderr
+        assert json.loads(status.stdout)["grpc_port"] == port
+
+        t0 = time.monotonic()
+        os.killpg(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        took = time.monotonic() - t0
         _wait_for(lines, "shutting down", timeout=5)
+        _wait_for(lines, "stopped the Ray head", timeout=5)
+        assert took < 30, f"{took:.1f} s to shut down"
+        assert local_head.read_state() is None  # no state file left
+        assert not local_head._session_pids(state.head_pid), "Ray processes left behind"
+        assert not os.path.exists(state.temp_dir)
+        assert not redis_server_pids(redis_dir) and not redis_dir.exists(), "Redis left behind"
     finally:
         if proc.poll() is None:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+        if state is not None and state.head_alive():
+            local_head.stop_head(state.head_pid, state.temp_dir)

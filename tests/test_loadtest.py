@@ -90,3 +90,39 @@ def _wait_idle(served, timeout_s: float = 60) -> dict:
                 for k, name in names.items()}  # None: not exported yet
 
     return poll(read, lambda status: all(v == 0 for v in status.values()), timeout_s, 1.0)
+
+
+def test_without_a_target_it_runs_and_takes_down_its_own_deployment_on_a_new_machine(
+        model_dir, tmp_path, monkeypatch):
+    """Issue #14: no --target, an empty HOME (no ~/.ray/auth_token): the local deployment
+    starts, serves the load, reports replica memory (a driver on its head's token), and is gone
+    afterwards: no state file, no head temp dir, no embedded Redis directory (the Ray head's and
+    the Redis processes go with them: tests/test_cli_up.py)."""
+    from cache_manager.actor import EMBEDDED_PREFIX
+    from cluster import local_head
+    from tests.test_cli_detached import new_user_env
+
+    env = new_user_env(model_dir, tmp_path)
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", env["KVSERVE_CACHE_DIR"])
+    before = _tmp_dirs(local_head.TEMP_PREFIX) | _tmp_dirs(EMBEDDED_PREFIX)
+    out = tmp_path / "out"
+    done = subprocess.run([*KVSERVE, "loadtest", "--users", "2", "--spawn-rate", "2",
+                           "--run-time", "10s", "--warmup", "2s", "--workload", "short",
+                           "--out", str(out), "--json"],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout)
+    assert summary["failures"] == {} and summary["output_tokens"] > 0, summary
+    assert summary["replica_memory"], summary  # read through the Ray cluster it started
+    assert "stopped the Ray head" in done.stdout + done.stderr
+    assert local_head.read_state() is None
+    after = _tmp_dirs(local_head.TEMP_PREFIX) | _tmp_dirs(EMBEDDED_PREFIX)
+    assert after <= before, f"left behind: {after - before}"
+    assert not (tmp_path / "home" / ".ray").exists()
+
+
+def _tmp_dirs(prefix: str) -> set:
+    import tempfile
+    from pathlib import Path
+
+    return set(Path(tempfile.gettempdir()).glob(f"{prefix}*"))

@@ -1,0 +1,100 @@
+"""Process lifetimes: a child process that must not outlive the process that started it.
+
+kvserve starts long-lived children (a Ray head for `kvserve up` in the foreground, the cache
+manager's embedded redis-server). Run in a new session, they miss the signals sent to their
+owner's process group, and a SIGKILL of the owner runs none of its clean-up; a parent-death
+signal covers both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import threading
+from collections.abc import Callable, Iterator
+
+PR_SET_PDEATHSIG = 1  # prctl(2), Linux
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None]:
+    """A `preexec_fn` for `subprocess.Popen`: the child gets `sig` when the thread that started
+    it exits (Linux PR_SET_PDEATHSIG), or at once if its parent is already gone.
+
+    The signal follows the *thread* that forked: start the child from a thread that lives as
+    long as its process (the main thread, or a Ray actor's task thread)."""
+    parent = os.getpid()
+
+    def preexec() -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0) != 0:
+            os._exit(127)
+        if os.getppid() != parent:  # it died before prctl took effect
+            os.kill(os.getpid(), sig)
+
+    return preexec
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether `pid` is a live process (a zombie is dead)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot: with the pid, it names one process
+    (a pid alone may be reused)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (FileNotFoundError, IndexError, ValueError):
+        return None
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """Within it, SIGTERM raises KeyboardInterrupt in the main thread, as Ctrl-C does, so that
+    clean-up in `finally` blocks runs. `timeout` and process managers send SIGTERM, often to a
+    whole process group; Python's default for it ends the process without any clean-up.
+    (Ray's init and shutdown replace the handler: see `sigterm_handler_kept`.)"""
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def sigterm_handler_kept() -> Iterator[None]:
+    """Puts back, after the block, the SIGTERM handler that was in force before it, unless that
+    was the default. For `ray.init` and `ray.shutdown`: each installs its own SIGTERM handling
+    (shutdown's ends the process at once, in C, whatever Python's handler says), which would
+    skip the clean-up a `sigterm_as_interrupt` or `signals_ignored` block exists for."""
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if main else None
+    try:
+        yield
+    finally:
+        if previous not in (None, signal.SIG_DFL):
+            signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def signals_ignored() -> Iterator[None]:
+    """Within it, SIGINT and SIGTERM are ignored: a clean-up that must finish once started.
+    (Its steps are bounded by timeouts; SIGKILL still ends it, and children tied to the
+    process by `die_with_parent` still follow.)"""
+    previous = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)

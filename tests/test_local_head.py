@@ -1,0 +1,103 @@
+"""The Ray head kvserve starts (cluster/local_head.py): its own auth token, never
+~/.ray/auth_token; tied to its owner when asked (`kvserve up` in the foreground, `kvserve
+loadtest`), so that even a SIGKILL of the owner takes it down; and a record of a head that is
+gone is forgotten with its temp dir."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from cluster import local_head
+from tests.helpers import poll
+
+OWNER_SCRIPT = textwrap.dedent("""
+    import json, sys, time
+    from cluster import local_head
+    state = local_head.start_head(1, fate_share=sys.argv[1] == "1")
+    print(json.dumps({"pid": state.head_pid, "temp_dir": state.temp_dir, "env": state.env,
+                      "address": state.address}), flush=True)
+    time.sleep(600)
+""")
+
+
+@pytest.mark.parametrize("fate_share", [True, False], ids=["tied", "detached"])
+def test_a_tied_head_dies_with_its_owner_even_on_sigkill(fate_share, tmp_path):
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")} | {"HOME": str(home)}
+    owner = subprocess.Popen([sys.executable, "-c", OWNER_SCRIPT, "1" if fate_share else "0"],
+                             stdout=subprocess.PIPE, text=True, env=env,
+                             cwd=Path(__file__).parents[1])
+    head = json.loads(owner.stdout.readline())
+    try:
+        assert local_head._is_head(head["pid"], head["temp_dir"])
+        assert head["env"] == {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH":
+                               str(Path(head["temp_dir"]) / local_head.TOKEN_FILE)}
+        assert not (home / ".ray").exists()  # the head's own token, not ~/.ray/auth_token
+        owner.kill()  # SIGKILL: no clean-up of its own runs
+        owner.wait()
+        gone = poll(lambda: local_head._session_pids(head["pid"]), lambda pids: not pids, 30, 0.2)
+        if fate_share:
+            assert not gone, f"head processes outlived their owner: {gone}"
+        else:  # the negative control: a detached head stays up for `kvserve down`
+            assert local_head._is_head(head["pid"], head["temp_dir"])
+    finally:
+        owner.kill()
+        local_head.stop_head(head["pid"], head["temp_dir"])
+
+
+def test_the_record_of_a_head_that_is_gone_is_forgotten_with_its_temp_dir(tmp_path,
+                                                                           monkeypatch):
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    temp_dir = tmp_path / f"{local_head.TEMP_PREFIX}x"
+    temp_dir.mkdir()
+    local_head.write_state(local_head.UpState(
+        address="127.0.0.1:1", started_head=True, grpc_port=1,
+        head_pid=int(gone.stdout), temp_dir=str(temp_dir)))
+    assert local_head.read_live_state() is None
+    assert local_head.read_state() is None and not temp_dir.exists()
+    joined = local_head.UpState(address="127.0.0.1:1", started_head=False, grpc_port=1)
+    local_head.write_state(joined)  # a cluster kvserve joined: kept, it cannot tell from here
+    assert local_head.read_live_state() == joined
+    local_head.remove_state()
+
+
+def test_a_driver_keeps_the_sigterm_handler_it_had(tmp_path):
+    """ray.init and ray.shutdown replace the SIGTERM handler (shutdown's ends the process at
+    once): connect_driver / disconnect_driver keep kvserve's, so SIGTERM still cleans up."""
+    script = textwrap.dedent("""
+        import os, signal, time
+        from cluster import local_head
+        from kvserve.process import sigterm_as_interrupt
+        state = local_head.start_head(1, fate_share=True)
+        with sigterm_as_interrupt():
+            for stage in ("connected", "disconnected"):
+                if stage == "connected":
+                    local_head.connect_driver(state.address, state.env)
+                else:
+                    local_head.disconnect_driver()
+                try:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    time.sleep(5)
+                    print(stage, "not interrupted", flush=True)
+                except KeyboardInterrupt:
+                    print(stage, "interrupted", flush=True)
+        local_head.stop_head(state.head_pid, state.temp_dir)
+    """)
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")} | {"HOME": str(home)}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
+                         cwd=Path(__file__).parents[1], timeout=180)
+    assert out.stdout.split("\n")[:2] == ["connected interrupted", "disconnected interrupted"], (
+        out.returncode, out.stdout, out.stderr[-2000:])
+    assert out.returncode == 0
