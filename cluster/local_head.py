@@ -151,7 +151,8 @@ def num_cpus_for(cpus_needed: float) -> int:
 def start_head(num_cpus: int, timeout: float = 120, fate_share: bool = False) -> UpState:
     """`ray start --head --block` in its own session; returns once the GCS address is known.
 
-    `fate_share`: the head gets SIGTERM when this thread's process dies, however it dies."""
+    `fate_share`: the head gets SIGTERM when the calling thread ends, as it does when this
+    process dies, however it dies (call it from the main thread)."""
     ray_bin = Path(sys.executable).with_name("ray")
     temp_dir = tempfile.mkdtemp(prefix=TEMP_PREFIX)
     write_token(temp_dir)
@@ -183,7 +184,6 @@ def start_head(num_cpus: int, timeout: float = 120, fate_share: bool = False) ->
     return UpState(address=address_file.read_text().strip(), started_head=True, grpc_port=0,
                    head_pid=proc.pid, temp_dir=temp_dir,
                    dashboard_url=f"http://127.0.0.1:{dashboard_port}", env=auth_env(temp_dir))
-
 
 
 def stop_head(head_pid: int, temp_dir: str | None, timeout: float = 30) -> None:
