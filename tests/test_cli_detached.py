@@ -17,6 +17,7 @@ import redis
 from cache_manager.actor import EMBEDDED_PREFIX
 from cache_manager.redis_server import owner_alive
 from cluster import local_head
+from tests.helpers import poll
 from tests.serving import free_port
 from tests.test_cli import KVSERVE
 
@@ -41,6 +42,15 @@ def embedded_redis_dirs(since: float) -> list[Path]:
     """The cache managers' embedded Redis directories made since `since` whose owner lives."""
     return [d for d in Path(tempfile.gettempdir()).glob(f"{EMBEDDED_PREFIX}*")
             if d.stat().st_mtime >= since and owner_alive(d)]
+
+
+def the_embedded_redis_dir(since: float, timeout_s: float = 60) -> Path:
+    """The one cache manager's embedded Redis directory made since `since`: the first replica
+    starts the manager actor without waiting for it, so it may come a little after the app
+    reports ready."""
+    dirs = poll(lambda: embedded_redis_dirs(since), lambda found: len(found) == 1, timeout_s)
+    assert len(dirs) == 1, dirs
+    return dirs[0]
 
 
 def redis_server_pids(data_dir: Path) -> list[int]:
@@ -96,7 +106,7 @@ def test_up_detach_status_generate_down(model_dir, tmp_path, monkeypatch):
             assert gen.returncode == 0, gen.stderr
             result = json.loads(gen.stdout)
             assert len(result["token_ids"]) == 4 and result["finish_reason"] == "length"
-        [redis_dir] = embedded_redis_dirs(started)  # the cache manager's own redis-server
+        redis_dir = the_embedded_redis_dir(started)  # the cache manager's redis-server
         assert len(redis_server_pids(redis_dir)) == 1
         index = redis.Redis.from_url(f"unix://{redis_dir / 'redis.sock'}")
         keys = set(index.scan_iter(match=namespace))

@@ -16,7 +16,7 @@ import time
 from cluster import local_head
 from tests.serving import free_port
 from tests.test_cli import KVSERVE
-from tests.test_cli_detached import embedded_redis_dirs, new_user_env, redis_server_pids
+from tests.test_cli_detached import new_user_env, redis_server_pids, the_embedded_redis_dir
 
 
 def _lines(proc: subprocess.Popen) -> queue.Queue:
@@ -59,7 +59,7 @@ def test_up_generate_status_and_sigterm_to_its_process_group(model_dir, tmp_path
         assert any(f"127.0.0.1:{port}" in line for line in seen)
         state = local_head.read_state()
         assert state is not None and state.started_head and state.head_alive()
-        [redis_dir] = embedded_redis_dirs(started)
+        redis_dir = the_embedded_redis_dir(started)
         target = f"127.0.0.1:{port}"
         out = kvserve("generate", "The capital of France is", "--target", target,
                       "--max-tokens", "8", "--json")
