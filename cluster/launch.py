@@ -84,13 +84,13 @@ def start(config: AppConfig, grpc_port: int, fate_share: bool) -> UpState | None
     if address is None:
         replicas = config.autoscaling.max_replicas if config.autoscaling else config.replicas
         cpus = local_head.num_cpus_for(replicas * config.num_cpus_per_replica)
-        state = local_head.start_head(cpus, fate_share=fate_share)
+        state = local_head.start_head(cpus, fate_share=fate_share)  # stops it if interrupted
     else:
         state = local_head.UpState(address=address, started_head=False, grpc_port=grpc_port)
-    state.grpc_port = grpc_port
     try:
+        state.grpc_port = grpc_port
         dashboard = _deploy(config, state, grpc_port)
-    except BaseException as exc:
+    except BaseException as exc:  # a failure, or an interrupt (Ctrl-C, SIGTERM) while deploying
         if state.started_head:
             local_head.stop_head(state.head_pid, state.temp_dir)
         if isinstance(exc, Exception):

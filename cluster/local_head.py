@@ -175,12 +175,15 @@ def start_head(num_cpus: int, timeout: float = 120, fate_share: bool = False) ->
                                 preexec_fn=die_with_parent() if fate_share else None)
     address_file = Path(temp_dir) / "ray_current_cluster"
     deadline = time.monotonic() + timeout
-    while not address_file.exists() or not address_file.read_text().strip():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            tail = (Path(temp_dir) / "ray-start.log").read_text()[-3000:]
-            stop_head(proc.pid, temp_dir)
-            raise RuntimeError(f"ray start --head failed (exit {proc.poll()}):\n{tail}")
-        time.sleep(0.2)
+    try:
+        while not address_file.exists() or not address_file.read_text().strip():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                tail = (Path(temp_dir) / "ray-start.log").read_text()[-3000:]
+                raise RuntimeError(f"ray start --head failed (exit {proc.poll()}):\n{tail}")
+            time.sleep(0.2)
+    except BaseException:  # a failure, or an interrupt (Ctrl-C, SIGTERM) while it starts
+        stop_head(proc.pid, temp_dir)
+        raise
     return UpState(address=address_file.read_text().strip(), started_head=True, grpc_port=0,
                    head_pid=proc.pid, temp_dir=temp_dir,
                    dashboard_url=f"http://127.0.0.1:{dashboard_port}", env=auth_env(temp_dir))

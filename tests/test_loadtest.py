@@ -126,3 +126,66 @@ def _tmp_dirs(prefix: str) -> set:
     from pathlib import Path
 
     return set(Path(tempfile.gettempdir()).glob(f"{prefix}*"))
+
+
+def test_sigterm_to_its_process_group_while_it_deploys_leaves_nothing_behind(model_dir,
+                                                                              tmp_path,
+                                                                              monkeypatch):
+    """Issue #14: `timeout` (SIGTERM to the whole process group) ending `kvserve loadtest` while
+    its local head starts (before Ray's own handler is installed, which would raise SystemExit):
+    it exits promptly and its head, temp dir and state file go. A SIGTERM after the load
+    started ends in the same `finally` that the run above takes."""
+    import os
+    import signal
+    import time
+
+    from cluster import local_head
+    from tests.test_cli_detached import new_user_env
+
+    env = new_user_env(model_dir, tmp_path)
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", env["KVSERVE_CACHE_DIR"])
+    before = _tmp_dirs(local_head.TEMP_PREFIX)
+    proc = subprocess.Popen([*KVSERVE, "loadtest", "--users", "1", "--run-time", "60s",
+                             "--out", str(tmp_path / "out")], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        heads = poll(lambda: [d for d in _tmp_dirs(local_head.TEMP_PREFIX) - before
+                              if (d / "ray-start.log").exists()], bool, 120, 0.05)
+        assert heads, "the local head never started"
+        [head_dir] = heads
+        head_pid = _head_pid(head_dir)
+        assert not (head_dir / "ray_current_cluster").exists()  # still starting
+        t0 = time.monotonic()
+        os.killpg(proc.pid, signal.SIGTERM)
+        output = proc.communicate(timeout=60)[0]
+        took = time.monotonic() - t0
+        assert proc.returncode != 0 and "Traceback" not in output, output[-3000:]
+        assert took < 30, f"{took:.1f} s to exit"
+        assert not local_head._session_pids(head_pid), "the head outlived loadtest"
+        assert not head_dir.exists() and local_head.read_state() is None
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _head_pid(head_dir) -> int:
+    """The `ray start --head` process of the head whose temp dir is `head_dir` (polled: its log
+    file is made just before the process starts)."""
+    from pathlib import Path
+
+    def find() -> int | None:
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+                except OSError:
+                    continue
+                if "start --head" in cmdline and str(head_dir) in cmdline:
+                    return int(entry.name)
+        return None
+
+    pid = poll(find, lambda found: found is not None, 10, 0.02)
+    assert pid is not None, f"no head process for {head_dir}"
+    return pid
