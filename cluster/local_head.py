@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from kvserve.process import die_with_parent, pid_alive, sigterm_handler_kept
+from kvserve.process import cmdline, die_with_parent, pid_alive, sigterm_handler_kept
 from workers.loader import cache_root
 
 STATE_FILE = "up.json"
@@ -226,11 +226,8 @@ def _session_pids(sid: int) -> list[int]:
 
 
 def _is_head(pid: int, temp_dir: str | None) -> bool:
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
-        return False
-    return pid_alive(pid) and "start --head" in cmdline and (not temp_dir or temp_dir in cmdline)
+    line = cmdline(pid)
+    return pid_alive(pid) and "start --head" in line and (not temp_dir or temp_dir in line)
 
 
 def reachable(address: str, timeout: float = 2.0) -> bool:

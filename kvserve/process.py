@@ -14,6 +14,7 @@ import os
 import signal
 import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 PR_SET_PDEATHSIG = 1  # prctl(2), Linux
 
@@ -43,6 +44,21 @@ def pid_alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except (FileNotFoundError, IndexError):
         return False
+
+
+def cmdline(pid: int) -> str:
+    """The process's command line, arguments joined by spaces ("" if it is gone)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def pids_with(*parts: str) -> list[int]:
+    """Live processes whose command line contains every one of `parts`."""
+    return [int(e.name) for e in Path("/proc").iterdir()
+            if e.name.isdigit() and all(p in cmdline(int(e.name)) for p in parts)
+            and pid_alive(int(e.name))]
 
 
 def start_time(pid: int) -> int | None:

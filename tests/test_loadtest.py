@@ -173,19 +173,8 @@ def test_sigterm_to_its_process_group_while_it_deploys_leaves_nothing_behind(mod
 def _head_pid(head_dir) -> int:
     """The `ray start --head` process of the head whose temp dir is `head_dir` (polled: its log
     file is made just before the process starts)."""
-    from pathlib import Path
+    from kvserve.process import pids_with
 
-    def find() -> int | None:
-        for entry in Path("/proc").iterdir():
-            if entry.name.isdigit():
-                try:
-                    cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-                except OSError:
-                    continue
-                if "start --head" in cmdline and str(head_dir) in cmdline:
-                    return int(entry.name)
-        return None
-
-    pid = poll(find, lambda found: found is not None, 10, 0.02)
-    assert pid is not None, f"no head process for {head_dir}"
-    return pid
+    pids = poll(lambda: pids_with("start --head", str(head_dir)), bool, 10, 0.02)
+    assert len(pids) == 1, f"head processes for {head_dir}: {pids}"
+    return pids[0]

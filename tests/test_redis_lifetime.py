@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from cache_manager.redis_server import OWNER_FILE, owner_alive, remove_stale, start_embedded
-from kvserve.process import pid_alive
+from kvserve.process import pid_alive, pids_with
 from tests.helpers import poll
 
 OWNER_SCRIPT = textwrap.dedent("""
@@ -38,17 +38,7 @@ def _start_owner(data_dir: Path, new_session: bool) -> tuple[subprocess.Popen, i
 
 def _server_pids(data_dir: Path) -> list[int]:
     """redis-server processes serving `data_dir`'s socket."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            except OSError:
-                continue
-            if "redis-server" in cmdline and str(data_dir) in cmdline and pid_alive(
-                    int(entry.name)):
-                pids.append(int(entry.name))
-    return pids
+    return pids_with("redis-server", str(data_dir))
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
