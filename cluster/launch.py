@@ -66,16 +66,19 @@ def deploy_detached(config_path: str | None, overrides: dict[str, Any], grpc_por
     return 0
 
 
-def start(config: AppConfig, grpc_port: int, fate_share: bool) -> UpState | None:
+def start(config: AppConfig, grpc_port: int, fate_share: bool,
+          record: bool = True) -> UpState | None:
     """Deploy onto RAY_ADDRESS's cluster, or onto a Ray head started here as its own process
     (cluster/local_head.py), and record it in the state file for `kvserve status` / `down`.
-    `fate_share`: the head ends when this process does. None (and a message) on failure."""
+    `fate_share`: the head ends when this process does. `record=False`: a deployment the caller
+    keeps to itself (`kvserve loadtest`'s), beside any recorded one. None (and a message) on
+    failure."""
     import sys
 
     from cluster import local_head
 
     address = os.environ.get("RAY_ADDRESS") or None
-    previous = local_head.read_live_state()
+    previous = local_head.read_live_state() if record else None
     if previous is not None and previous.started_head:
         print(f"kvserve: already up (Ray head at {previous.address}, gRPC at "
               f"127.0.0.1:{previous.grpc_port}); stop it first with: kvserve down",
@@ -98,7 +101,8 @@ def start(config: AppConfig, grpc_port: int, fate_share: bool) -> UpState | None
             return None
         raise
     state.dashboard_url = state.dashboard_url or dashboard
-    local_head.write_state(state)
+    if record:
+        local_head.write_state(state)
     print(f"kvserve: serving {config.model or DEFAULT_MODEL} with "
           f"{config.replicas} replica(s) on the Ray cluster at {state.address}"
           f"{' (started by kvserve)' if state.started_head else ''}", flush=True)

@@ -22,7 +22,10 @@ class NothingRunning(Exception):
     pass
 
 
-def _target(address: str | None) -> tuple[str, local_head.UpState | None]:
+def _target(address: str | None,
+            given: local_head.UpState | None = None) -> tuple[str, local_head.UpState | None]:
+    if given is not None:  # a deployment its starter keeps to itself (kvserve loadtest's)
+        return given.address, given
     state = local_head.read_live_state()
     explicit = address or os.environ.get("RAY_ADDRESS") or None
     if explicit and explicit != "auto":
@@ -39,8 +42,10 @@ def _target(address: str | None) -> tuple[str, local_head.UpState | None]:
     return found, None
 
 
-def connect(address: str | None) -> tuple[str, local_head.UpState | None]:
-    target, state = _target(address)
+def connect(address: str | None,
+            state: local_head.UpState | None = None) -> tuple[str, local_head.UpState | None]:
+    """Connect as a driver to `state`'s cluster if given, else to the one `_target` picks."""
+    target, state = _target(address, state)
     if not local_head.reachable(target):
         raise NothingRunning(f"no Ray cluster at {target}")
     try:
@@ -189,9 +194,11 @@ def cache_check(address: str | None, as_json: bool) -> int:
 
 
 # -- down ----------------------------------------------------------------------------------
-def down(address: str | None) -> int:
+def down(address: str | None, state: local_head.UpState | None = None) -> int:
+    """Delete the app, its cache manager and status rows; stop the head if kvserve started it
+    (`state`: that deployment, else the one `_target` picks)."""
     try:
-        target, state = connect(address)
+        target, state = connect(address, state)
     except NothingRunning as exc:
         print(f"kvserve: nothing running: {exc}", file=sys.stderr)
         return 1
@@ -219,7 +226,8 @@ def down(address: str | None) -> int:
         local_head.stop_head(state.head_pid, state.temp_dir)
         print(f"kvserve: stopped the Ray head at {target} that kvserve started "
               f"({time.monotonic() - start:.1f} s)", flush=True)
-    if state is not None:
+    recorded = local_head.read_state()
+    if state is not None and recorded is not None and recorded.address == state.address:
         local_head.remove_state()
     if not deleted and not stop_head:
         print(f"kvserve: nothing running: no '{APP_NAME}' application on the Ray cluster at "

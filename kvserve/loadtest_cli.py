@@ -9,6 +9,10 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, redirect_stdout
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from cluster.local_head import UpState
 
 DESCRIPTION = """\
 Stream Generate over gRPC from Locust users (infra/locust/locustfile.py), headless, then print
@@ -81,45 +85,47 @@ def _deployment(args: argparse.Namespace) -> Iterator[tuple]:
     """(target, read_rss or None, wait_idle): the given target or a local deployment."""
     from cluster import local_head, status_cli
 
-    started = args.target is None
+    local = None
     target = args.target
-    if started:
+    if target is None:
         with redirect_stdout(sys.stderr):  # its progress; stdout is the summary (--json)
-            target = _start_local(args.config)
-        if target is None:
+            local = _start_local(args.config)
+        if local is None:
             yield None, None, None
             return
+        target = f"127.0.0.1:{local.grpc_port}"
     try:
-        read_rss, wait_idle = _ray_readers(args.address)
+        read_rss, wait_idle = _ray_readers(args.address, local)
         yield target, read_rss, wait_idle
     finally:
         local_head.disconnect_driver()
-        if started:
+        if local is not None:
             from kvserve.process import signals_ignored
 
             # a second signal must not leave half a cluster behind
             with signals_ignored(), redirect_stdout(sys.stderr):
-                status_cli.down(None)
+                status_cli.down(None, local)
 
 
-def _start_local(config: str | None) -> str | None:
-    """A 1-replica deployment on a head tied to this process (it ends with it, however)."""
+def _start_local(config: str | None) -> UpState | None:
+    """A 1-replica deployment of this run's own, beside any `kvserve up`: a head tied to this
+    process (it ends with it, however), not recorded for `kvserve status` / `down`."""
     from cluster.launch import load_config, start
     from cluster.local_head import free_port
 
-    port = free_port()
     overrides = {} if config else {"replicas": 1}
-    state = start(load_config(config, overrides), port, fate_share=True)
-    return None if state is None else f"127.0.0.1:{port}"
+    return start(load_config(config, overrides), free_port(), fate_share=True, record=False)
 
 
-def _ray_readers(address: str | None) -> tuple[Callable | None, Callable[[], None]]:
-    """Replica memory and idleness from the status rows, when the Ray cluster is reachable."""
+def _ray_readers(address: str | None,
+                 local: UpState | None = None) -> tuple[Callable | None, Callable[[], None]]:
+    """Replica memory and idleness from the status rows, when the Ray cluster is reachable
+    (`local`: this run's own deployment)."""
     from cluster import replica_status, status_cli
     from cluster.memory_watch import replica_rss_from_ray
 
     try:
-        status_cli.connect(address)
+        status_cli.connect(address, local)
     except status_cli.NothingRunning as exc:
         print(f"kvserve: replica memory not reported: {exc}", file=sys.stderr)
         return None, lambda: time.sleep(5)

@@ -105,6 +105,9 @@ def test_without_a_target_it_runs_and_takes_down_its_own_deployment_on_a_new_mac
     env = new_user_env(model_dir, tmp_path)
     monkeypatch.setenv("KVSERVE_CACHE_DIR", env["KVSERVE_CACHE_DIR"])
     before = _tmp_dirs(local_head.TEMP_PREFIX) | _tmp_dirs(EMBEDDED_PREFIX)
+    # a deployment `kvserve up` recorded: the load test's own runs beside it, leaving it be
+    recorded = local_head.UpState(address="127.0.0.1:9", started_head=False, grpc_port=9)
+    local_head.write_state(recorded)
     out = tmp_path / "out"
     done = subprocess.run([*KVSERVE, "loadtest", "--users", "2", "--spawn-rate", "2",
                            "--run-time", "10s", "--warmup", "2s", "--workload", "short",
@@ -115,7 +118,7 @@ def test_without_a_target_it_runs_and_takes_down_its_own_deployment_on_a_new_mac
     assert summary["failures"] == {} and summary["output_tokens"] > 0, summary
     assert summary["replica_memory"], summary  # read through the Ray cluster it started
     assert "stopped the Ray head" in done.stdout + done.stderr
-    assert local_head.read_state() is None
+    assert local_head.read_state() == recorded
     after = _tmp_dirs(local_head.TEMP_PREFIX) | _tmp_dirs(EMBEDDED_PREFIX)
     assert after <= before, f"left behind: {after - before}"
     assert not (tmp_path / "home" / ".ray").exists()
