@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cluster.app import GRPC_SERVICER_FUNCTIONS, AppConfig, build_app
-from kvserve.process import signals_ignored, sigterm_as_interrupt
+from kvserve.process import sigterm_as_interrupt
 from workers.loader import DEFAULT_MODEL
 
 if TYPE_CHECKING:
@@ -49,12 +49,10 @@ def serve_until_interrupted(config_path: str | None, overrides: dict[str, Any],
             print("kvserve: the Ray head stopped (kvserve down?); exiting", flush=True)
             local_head.remove_state()
             return 1
-        except KeyboardInterrupt:
-            pass
-    print("kvserve: shutting down", flush=True)
-    with signals_ignored():  # a second signal must not leave half a cluster behind
-        status_cli.down(state.address)
-    return 0
+        except KeyboardInterrupt:  # further SIGINT/SIGTERM are ignored from here on
+            print("kvserve: shutting down", flush=True)
+            status_cli.down(state.address)
+            return 0
 
 
 def deploy_detached(config_path: str | None, overrides: dict[str, Any], grpc_port: int) -> int:

@@ -71,21 +71,28 @@ def start_time(pid: int) -> int | None:
         return None
 
 
-def _interrupt(signum: int, frame: object) -> None:
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _interrupt_once(signum: int, frame: object) -> None:
+    for s in STOP_SIGNALS:  # the clean-up this starts must not be cut short by the next one
+        signal.signal(s, signal.SIG_IGN)
     raise KeyboardInterrupt(f"signal {signum}")
 
 
 @contextlib.contextmanager
 def sigterm_as_interrupt() -> Iterator[None]:
-    """Within it, SIGTERM raises KeyboardInterrupt in the main thread, as Ctrl-C does, so that
-    clean-up in `finally` blocks runs. `timeout` and process managers send SIGTERM, often to a
-    whole process group; Python's default for it ends the process without any clean-up.
-    (Ray's init and shutdown replace the handler: see `sigterm_handler_kept`.)"""
-    previous = signal.signal(signal.SIGTERM, _interrupt)
+    """Within it, the first SIGINT or SIGTERM raises KeyboardInterrupt in the main thread, so
+    that clean-up in `finally` / `except` blocks runs, and further ones are ignored until the
+    block ends. `timeout` and process managers send SIGTERM, often to a whole process group, and
+    `make` sends its child a second one; Python's default for SIGTERM ends the process without
+    any clean-up. (Ray's init and shutdown replace the handler: see `sigterm_handler_kept`.)"""
+    previous = {s: signal.signal(s, _interrupt_once) for s in STOP_SIGNALS}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 @contextlib.contextmanager

@@ -76,6 +76,8 @@ def test_up_generate_status_and_sigterm_to_its_process_group(model_dir, tmp_path
 
         t0 = time.monotonic()
         os.killpg(proc.pid, signal.SIGTERM)
+        time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGTERM)  # a second one, as `make run` passes its own on
         assert proc.wait(timeout=60) == 0
         took = time.monotonic() - t0
         _wait_for(lines, "shutting down", timeout=5)

@@ -81,8 +81,8 @@ def test_a_driver_keeps_the_sigterm_handler_it_had(tmp_path):
         from cluster import local_head
         from kvserve.process import sigterm_as_interrupt
         state = local_head.start_head(1, fate_share=True)
-        with sigterm_as_interrupt():
-            for stage in ("connected", "disconnected"):
+        for stage in ("connected", "disconnected"):
+            with sigterm_as_interrupt():
                 if stage == "connected":
                     local_head.connect_driver(state.address, state.env)
                 else:
@@ -92,6 +92,8 @@ def test_a_driver_keeps_the_sigterm_handler_it_had(tmp_path):
                     time.sleep(5)
                     print(stage, "not interrupted", flush=True)
                 except KeyboardInterrupt:
+                    os.kill(os.getpid(), signal.SIGTERM)  # a second one: ignored
+                    time.sleep(0.5)
                     print(stage, "interrupted", flush=True)
         local_head.stop_head(state.head_pid, state.temp_dir)
     """)
