@@ -102,7 +102,7 @@ def _deployment(args: argparse.Namespace) -> Iterator[tuple]:
         if local is not None:
             from kvserve.process import signals_ignored
 
-            # a second signal must not leave half a cluster behind
+            # no signal may cut the teardown short (after an interrupt they are ignored already)
             with signals_ignored(), redirect_stdout(sys.stderr):
                 status_cli.down(None, local)
 
