@@ -26,10 +26,12 @@ def die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None]:
     The signal follows the *thread* that forked: start the child from a thread that lives as
     long as its process (the main thread, or a Ray actor's task thread)."""
     parent = os.getpid()
+    # resolved here, before the fork: a dlopen in the child of a threaded parent (a Ray worker)
+    # could wait for ever on a loader lock another thread held at the fork
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
 
     def preexec() -> None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0) != 0:
+        if prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0) != 0:
             os._exit(127)
         if os.getppid() != parent:  # it died before prctl took effect
             os.kill(os.getpid(), sig)
