@@ -84,7 +84,7 @@ class LLMEngine:
         num_host_blocks = config.num_host_kv_blocks
         if num_host_blocks is None:
             num_host_blocks = spec.num_blocks_for(config.cpu_offload_memory)
-        rope = RotaryEmbedding(ckpt.config, self.max_model_len, self.device)
+        rope = RotaryEmbedding(ckpt.config, self.max_model_len, self.device, self.dtype)
         self.runner = ModelRunner(self.model, spec, num_blocks, rope, backend, self.device,
                                   num_host_blocks)
         self.bytes_per_block = spec.bytes_per_block

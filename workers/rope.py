@@ -20,9 +20,13 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 
 class RotaryEmbedding:
-    def __init__(self, config: PretrainedConfig, max_positions: int, device: torch.device) -> None:
+    def __init__(
+        self, config: PretrainedConfig, max_positions: int, device: torch.device,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
         self.config = config
         self.device = device
+        self.dtype = dtype  # the activations': transformers casts cos/sin to it
         self.rope_type = config.rope_parameters.get("rope_type", "default")
         self.dynamic = "dynamic" in self.rope_type
         if not self.dynamic:
@@ -31,7 +35,8 @@ class RotaryEmbedding:
 
     def _evaluate(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         module = LlamaRotaryEmbedding(self.config).to(self.device)
-        probe = torch.empty(0, device=self.device, dtype=torch.float32)
+        # evaluated in fp32, returned in the probe's dtype (as transformers does for q/k)
+        probe = torch.empty(0, device=self.device, dtype=self.dtype)
         cos, sin = module(probe, positions[None, :])
         return cos[0], sin[0]
 
