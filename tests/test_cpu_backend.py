@@ -10,8 +10,8 @@ import torch.nn.functional as F
 
 from tests.helpers import output_ids
 from workers.attention import make_backend, resolve_backend_name
+from workers.attention import metadata as attention_metadata
 from workers.attention.cpu_backend import CPUAttention
-from workers.attention.metadata import AttentionMetadata
 from workers.attention.torch_backend import TorchAttention
 from workers.cpu_kernels import (
     STALE_LOCK_S,
@@ -40,22 +40,13 @@ def _decode_batch(lengths: list[int], heads: int, kv_heads: int, head_dim: int,
     v_cache = torch.randn(shape, generator=gen).to(dtype)
     blocks = [-(-n // block_size) for n in lengths]
     pool = torch.randperm(num_blocks, generator=gen).tolist()
-    tables = torch.zeros(len(lengths), max(blocks), dtype=torch.int32)
-    for i, n in enumerate(blocks):
-        tables[i, :n] = torch.tensor([pool.pop() for _ in range(n)])
+    tables = [[pool.pop() for _ in range(n)] for n in blocks]
     # q as the model makes it: a slice of a wider qkv row, so rows are strided
     qkv = torch.randn(len(lengths), heads + 2 * kv_heads, head_dim, generator=gen).to(dtype)
     q = qkv[:, :heads]
-    lens = torch.tensor(lengths, dtype=torch.int32)
-    keys = torch.arange(max(lengths))
-    mask = (keys[None, :] < lens[:, None])[:, None, None, :]
-    meta = AttentionMetadata(
-        slot_mapping=torch.zeros(0, dtype=torch.long), num_decodes=len(lengths),
-        decode_block_tables=tables, decode_context_lens=lens,
-        decode_mask=None if len(set(lengths)) == 1 else mask, prefills=[],
-        cu_seqlens_q=torch.zeros(1, dtype=torch.int32),
-        cu_seqlens_k=torch.zeros(1, dtype=torch.int32),
-        prefill_block_tables=torch.zeros(0, 0, dtype=torch.int32))
+    meta, _ = attention_metadata.build(
+        torch.device("cpu"), [], decodes=list(zip(tables, lengths, strict=True)), prefills=[],
+        block_size=block_size)
     return q, k_cache, v_cache, meta
 
 

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from workers.attention import make_backend
-from workers.attention.metadata import AttentionMetadata
+from workers.attention import metadata as attention_metadata
 from workers.bench.baselines import (
     decode_step_weights,
     weight_bytes_per_decode_step,
@@ -97,17 +97,11 @@ def _decode_step(model, lengths: list[int], block_size: int = 16):
                 for _ in range(layers)]
     pool = torch.randperm(64, generator=gen).tolist()
     tables = [[pool.pop() for _ in range(-(-n // block_size))] for n in lengths]
-    width = max(len(t) for t in tables)
-    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
     slots = [t[(n - 1) // block_size] * block_size + (n - 1) % block_size
              for t, n in zip(tables, lengths, strict=True)]
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots), num_decodes=len(lengths),
-        decode_block_tables=block_tables,
-        decode_context_lens=torch.tensor(lengths, dtype=torch.int32), decode_mask=None,
-        prefills=[], cu_seqlens_q=torch.zeros(1, dtype=torch.int32),
-        cu_seqlens_k=torch.zeros(1, dtype=torch.int32),
-        prefill_block_tables=torch.zeros(0, 0, dtype=torch.int32))
+    meta, _ = attention_metadata.build(
+        torch.device("cpu"), slots, decodes=list(zip(tables, lengths, strict=True)), prefills=[],
+        block_size=block_size)
     angles = torch.rand(len(lengths), 32, generator=gen) * 50
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
     ids = torch.randint(100, cfg.vocab_size, (len(lengths),), generator=gen)

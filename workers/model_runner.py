@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.attention import AttentionMetadata, PrefillSegment
+from workers.attention import AttentionMetadata
+from workers.attention import metadata as attention_metadata
 from workers.kv_cache import KVCacheSpec, allocate_kv_cache, copy_blocks
 from workers.kv_events import KVCopyPlan
 from workers.model import CausalLM
@@ -16,11 +17,12 @@ from workers.scheduler import ScheduledChunk
 
 @dataclass
 class ModelInput:
-    input_ids: torch.Tensor  # [tokens]
-    positions: torch.Tensor  # [tokens]
+    input_ids: torch.Tensor  # [tokens] long
+    positions: torch.Tensor  # [tokens] long
     chunk_sizes: list[int]  # tokens per chunk, in batch order
+    chunk_ends: list[int]  # sequence length at the end of each chunk (dynamic RoPE's length)
     meta: AttentionMetadata
-    logits_rows: torch.Tensor  # [sampling chunks]: last row of each chunk that samples
+    logits_rows: torch.Tensor  # [sampling chunks] long: last row of each chunk that samples
     sampling: list[ScheduledChunk]  # in the order of logits_rows
 
 
@@ -51,20 +53,22 @@ class ModelRunner:
     def execute(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, list[ScheduledChunk]]:
         """Compute every chunk; logits [sampling chunks, vocab] for those that reach their end."""
         inp = self.prepare(chunks)
-        cos, sin = self.rope.lookup(inp.positions, inp.chunk_sizes)
+        cos, sin = self.rope.lookup(inp.positions, inp.chunk_sizes, inp.chunk_ends)
         hidden = self.model(inp.input_ids, cos, sin, self.kv_cache, inp.meta, self.backend)
         return self.model.compute_logits(hidden[inp.logits_rows]), inp.sampling
 
     def prepare(self, chunks: list[ScheduledChunk]) -> ModelInput:
+        """The step's tensors, all from one host->device copy (`attention.metadata.build`)."""
         # decodes (one token with context) first, batched; then prefill chunks one by one
         decodes = [c for c in chunks if c.num_tokens == 1 and c.start > 0]
         prefills = [c for c in chunks if not (c.num_tokens == 1 and c.start > 0)]
+        ordered = decodes + prefills
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         rows: list[int] = []
         sampling: list[ScheduledChunk] = []
-        for chunk in decodes + prefills:
+        for chunk in ordered:
             start, end = chunk.start, chunk.start + chunk.num_tokens
             ids += chunk.seq.token_ids[start:end]
             positions += range(start, end)
@@ -72,61 +76,18 @@ class ModelRunner:
             if chunk.samples:
                 rows.append(len(ids) - 1)
                 sampling.append(chunk)
-        meta = self._metadata(decodes, prefills, slots)
+        ends = [c.start + c.num_tokens for c in ordered]
+        meta, (input_ids, pos, logits_rows) = attention_metadata.build(
+            self.device, slots,
+            decodes=[(c.seq.block_table, c.start + 1) for c in decodes],
+            prefills=[(c.seq.block_table, c.num_tokens, c.start + c.num_tokens) for c in prefills],
+            block_size=self.block_size, extra=[ids, positions, rows],
+        )
         return ModelInput(
-            input_ids=self._tensor(ids), positions=self._tensor(positions),
-            chunk_sizes=[c.num_tokens for c in decodes + prefills], meta=meta,
-            logits_rows=self._tensor(rows), sampling=sampling,
+            input_ids=input_ids, positions=pos, chunk_sizes=[c.num_tokens for c in ordered],
+            chunk_ends=ends, meta=meta, logits_rows=logits_rows, sampling=sampling,
         )
 
     def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
         bs = self.block_size
         return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
-
-    def _metadata(
-        self, decodes: list[ScheduledChunk], prefills: list[ScheduledChunk], slots: list[int]
-    ) -> AttentionMetadata:
-        context = [c.start + 1 for c in decodes]
-        segments, q_start = [], len(decodes)
-        for c in prefills:
-            table = self._tensor(c.seq.block_table[: self._blocks(c.start + c.num_tokens)])
-            segments.append(PrefillSegment(q_start, c.num_tokens, c.start + c.num_tokens, table))
-            q_start += c.num_tokens
-        return AttentionMetadata(
-            slot_mapping=self._tensor(slots),
-            num_decodes=len(decodes),
-            decode_block_tables=self._block_tables([c.seq.block_table for c in decodes], context),
-            decode_context_lens=self._tensor(context, torch.int32),
-            decode_mask=self._decode_mask(context),
-            prefills=segments,
-            cu_seqlens_q=self._cumsum([s.q_len for s in segments]),
-            cu_seqlens_k=self._cumsum([s.context_len for s in segments]),
-            prefill_block_tables=self._block_tables(
-                [c.seq.block_table for c in prefills], [s.context_len for s in segments]
-            ),
-        )
-
-    def _blocks(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
-
-    def _block_tables(self, tables: list[list[int]], lengths: list[int]) -> torch.Tensor:
-        width = max((self._blocks(n) for n in lengths), default=0)
-        padded = [t[: self._blocks(n)] + [0] * (width - self._blocks(n))
-                  for t, n in zip(tables, lengths, strict=True)]
-        return self._tensor(padded, torch.int32).view(len(tables), width)
-
-    def _decode_mask(self, context: list[int]) -> torch.Tensor | None:
-        if len(set(context)) <= 1:  # equal lengths: no padding to hide
-            return None
-        lens = torch.tensor(context, device=self.device)
-        keys = torch.arange(max(context), device=self.device)
-        return (keys[None, :] < lens[:, None])[:, None, None, :]  # [decodes, 1, 1, max_context]
-
-    def _cumsum(self, values: list[int]) -> torch.Tensor:
-        out = [0]
-        for v in values:
-            out.append(out[-1] + v)
-        return self._tensor(out, torch.int32)
-
-    def _tensor(self, values: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=self.device)
