@@ -13,6 +13,7 @@ from workers.bench.baselines import (
     weight_bytes_per_decode_step,
     weights_read_seconds,
 )
+from workers.cpu_kernels import linear_available_for
 from workers.engine import _build_model
 from workers.model import Linear
 from workers.tiny import tiny_checkpoint
@@ -141,3 +142,126 @@ def test_a_decode_step_reads_every_weight_once_and_no_embedding(kernels):
     expected = sum(p.numel() * 4 for name, p in model.named_parameters() if "embed" not in name)
     assert weight_bytes_per_decode_step(model) == expected
     assert weights_read_seconds(model, repeats=2) > 0
+
+
+# bf16 projections (`linear_bf16`): bf16 weights and activations, fp32 multiply-adds, bf16 out
+
+
+@pytest.fixture(scope="module")
+def bf16_kernels(cpu_kernels):
+    if not linear_available_for(cpu_kernels, torch.bfloat16):
+        pytest.skip("linear_bf16 needs AVX-512 (the kernels were built without it)")
+    return cpu_kernels
+
+
+def _bf16_case(n: int, k: int, rows: int, seed: int):
+    """w [n, k], b [n], x [rows, k], all bf16."""
+    gen = torch.Generator().manual_seed(seed)
+    w, b = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+    x = torch.randn(rows, k, generator=gen)
+    return w.bfloat16(), b.bfloat16(), x.bfloat16()
+
+
+@pytest.mark.parametrize(("n", "k"), [(48, 64), (50, 7), (960, 576), (130, 1535), (1, 1)])
+@pytest.mark.parametrize("rows", [0, 1, 3, 8, 9, 70])
+def test_linear_bf16_is_the_in_order_fp32_sum_rounded_once(bf16_kernels, n, k, rows):
+    """Bit for bit: a product of two bf16 values is exact in fp32, so the kernel's FMA chain over
+    k = 0..K-1 is torch's `acc + x[:, k] * w[:, k]` in fp32, k by k; then + bias, then bf16."""
+    w, b, x = _bf16_case(n, k, rows, n * k + rows)
+    packed = bf16_kernels.pack_linear_weight_bf16(w)
+    assert packed.dtype == torch.bfloat16 and packed.shape == (-(-n // 48), -(-k // 2), 48, 2)
+    acc = torch.zeros(rows, n)
+    xf, wf = x.float(), w.float()
+    for i in range(k):
+        acc = acc + xf[:, i:i + 1] * wf[:, i]
+    assert torch.equal(bf16_kernels.linear_bf16(x, packed, n, b), (acc + b.float()).bfloat16())
+    assert torch.equal(bf16_kernels.linear_bf16(x, packed, n, None), acc.bfloat16())
+
+
+@pytest.mark.parametrize(("n", "k"), [(960, 576), (130, 1535), (576, 1536)])
+def test_linear_bf16_is_within_bf16_rounding_of_the_exact_product(bf16_kernels, n, k):
+    """Against float64: the fp32 sum of K products (each exact) with a bias is within
+    gamma = (K + 1) 2^-24 of sum |x w| + |b| (the textbook bound for K + 1 roundings; doubled
+    here for margin), and rounding that to bf16 (8 significant bits) adds at most 2^-8 of its
+    magnitude. A relative tolerance alone would fail where the sum cancels to near zero."""
+    w, b, x = _bf16_case(n, k, 33, k)
+    got = bf16_kernels.linear_bf16(x, bf16_kernels.pack_linear_weight_bf16(w), n, b).double()
+    exact = x.double() @ w.double().T + b.double()
+    magnitude = x.double().abs() @ w.double().abs().T + b.double().abs()
+    fp32_error = 2 * (k + 1) * 2.0**-24 * magnitude
+    bound = 2.0**-8 * (exact.abs() + fp32_error) + fp32_error
+    assert ((got - exact).abs() <= bound).all()
+    # and mostly the correctly rounded value itself
+    assert (got == exact.bfloat16().double()).double().mean() > 0.99
+
+
+def test_linear_bf16_rows_do_not_depend_on_the_batch(bf16_kernels):
+    """Each row of a 1..40-row batch (and of 130 rows: blocks of rows split over threads) is
+    bit-identical to that row alone; odd K, N not a multiple of the 48-output panel."""
+    n, k = 150, 577
+    w, b, x = _bf16_case(n, k, 130, 0)
+    packed = bf16_kernels.pack_linear_weight_bf16(w)
+    alone = torch.cat([bf16_kernels.linear_bf16(x[i:i + 1].clone(), packed, n, b)
+                       for i in range(130)])
+    for rows in (*range(1, 41), 130):
+        for start in (0, 3) if rows < 130 else (0,):
+            got = bf16_kernels.linear_bf16(x[start:start + rows], packed, n, b)
+            assert torch.equal(got, alone[start:start + rows]), (rows, start)
+
+
+def test_onednn_bf16_rows_do_depend_on_the_batch(bf16_kernels):
+    """The negative control: torch's bf16 F.linear and prepacked oneDNN bf16 give some rows of a
+    batch other numbers than the same rows alone (seen on down_proj's shape, K = 1536; at K = 576
+    they happened to agree). If this fails, torch's bf16 became batch-invariant on this CPU, and
+    this claim is to be dropped, not the test loosened."""
+    n, k = 576, 1536
+    w, _, x = _bf16_case(n, k, 64, 0)
+    onednn = torch.ops.mkldnn._reorder_linear_weight(w, 32)
+    runs = {"F.linear": lambda a: F.linear(a, w),
+            "oneDNN": lambda a: torch.ops.mkldnn._linear_pointwise(a, onednn, None, "none", [], "")}
+    packed = bf16_kernels.pack_linear_weight_bf16(w)
+    runs["linear_bf16"] = lambda a: bf16_kernels.linear_bf16(a, packed, n, None)
+    differing = {}
+    for name, run in runs.items():
+        alone = torch.cat([run(x[i:i + 1].clone()) for i in range(64)])
+        differing[name] = int((run(x) != alone).any(1).sum())
+    assert differing["linear_bf16"] == 0
+    assert differing["F.linear"] > 0 and differing["oneDNN"] > 0, differing
+
+
+def test_linear_bf16_reads_strided_rows_and_either_bias_dtype(bf16_kernels):
+    w, b, _ = _bf16_case(96, 64, 0, 1)
+    x = torch.randn(6, 100).bfloat16()[:, :64]  # rows strided by 100
+    packed = bf16_kernels.pack_linear_weight_bf16(w)
+    expected = bf16_kernels.linear_bf16(x.contiguous(), packed, 96, b)
+    assert torch.equal(bf16_kernels.linear_bf16(x, packed, 96, b), expected)
+    assert torch.equal(bf16_kernels.linear_bf16(x, packed, 96, b.float()), expected)
+    # a float weight is rounded to bf16 when packed
+    assert torch.equal(bf16_kernels.pack_linear_weight_bf16(w.float()), packed)
+
+
+def test_linear_bf16_refuses_what_it_does_not_cover(bf16_kernels):
+    packed = bf16_kernels.pack_linear_weight_bf16(torch.randn(60, 32).bfloat16())
+    with pytest.raises(RuntimeError, match="bf16 x"):
+        bf16_kernels.linear_bf16(torch.randn(2, 32), packed, 60, None)
+    with pytest.raises(RuntimeError, match="K = 29"):
+        bf16_kernels.linear_bf16(torch.randn(2, 29).bfloat16(), packed, 60, None)
+    with pytest.raises(RuntimeError, match="for 200 outputs"):
+        bf16_kernels.linear_bf16(torch.randn(2, 32).bfloat16(), packed, 200, None)
+    with pytest.raises(RuntimeError, match="bias"):
+        bf16_kernels.linear_bf16(torch.randn(2, 32).bfloat16(), packed, 60, torch.randn(59))
+    with pytest.raises(RuntimeError, match="packed bf16 weight"):  # fp32 panels
+        bf16_kernels.linear_bf16(torch.randn(2, 32).bfloat16(),
+                                 bf16_kernels.pack_linear_weight(torch.randn(60, 32)), 60, None)
+    misaligned = torch.empty(packed.numel() + 8, dtype=torch.bfloat16)[8:].view(packed.shape)
+    misaligned.copy_(packed)  # 16 bytes in
+    with pytest.raises(RuntimeError, match="64-byte"):
+        bf16_kernels.linear_bf16(torch.randn(2, 32).bfloat16(), misaligned, 60, None)
+
+
+def test_linear_available_for_names_the_dtypes_with_a_kernel(cpu_kernels):
+    assert linear_available_for(cpu_kernels, torch.float32) == cpu_kernels.linear_available()
+    assert (linear_available_for(cpu_kernels, torch.bfloat16)
+            == cpu_kernels.bf16_linear_available())
+    assert not linear_available_for(cpu_kernels, torch.float16)
+    assert not linear_available_for(None, torch.float32)

@@ -1,7 +1,9 @@
-"""kvserve's C++ kernels for fp32 CPUs (`workers/csrc/`), built at first use.
+"""kvserve's C++ kernels for CPUs (`workers/csrc/`), built at first use.
 
 - `linear` (`pack_linear_weight`): every projection, batch-invariant, weights in 48-output
   panels (AVX-512 builds only; `linear_available()` says; otherwise oneDNN runs them).
+- `linear_bf16` (`pack_linear_weight_bf16`): the same for bf16 weights and activations, fp32
+  multiply-adds, bf16 out (`bf16_linear_available()`; `linear_available_for` asks per dtype).
 - `decode_layer`: a whole decoder layer of a decode-only step in one call, over the kernels here.
 - `paged_decode`: decode attention read in place through the block table (the `cpu` attention
   backend, `workers/attention/cpu_backend.py`).
@@ -31,7 +33,7 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / name for name in ("bindings.cpp", "paged_decode.cpp", "fused_ops.cpp",
-                                    "linear.cpp", "decode_layer.cpp")]
+                                    "linear.cpp", "linear_bf16.cpp", "decode_layer.cpp")]
 HEADER = CSRC / "kernels.h"
 # -march=native: the build directory belongs to this machine (kvserve's cache directory).
 # -ffast-math: glibc's vector expf (libmvec) is declared only under it; the kernels see only
@@ -60,6 +62,18 @@ def load_cpu_kernels(build_root: Path) -> ModuleType | None:
     except Exception as exc:  # no compiler, no ninja, a read-only cache: torch ops still work
         log.warning("CPU kernels unavailable, running torch ops instead: %s", exc)
         return None
+
+
+def linear_available_for(kernels: ModuleType | None, dtype: torch.dtype) -> bool:
+    """Whether `kernels` has a batch-invariant projection for weights and activations of `dtype`:
+    fp32 `linear` or bf16 `linear_bf16` (both need AVX-512; other dtypes have none)."""
+    if kernels is None:
+        return False
+    if dtype == torch.float32:
+        return bool(kernels.linear_available())
+    if dtype == torch.bfloat16:
+        return bool(kernels.bf16_linear_available())
+    return False
 
 
 def build_dir_name(torch_version: str, features: str) -> str:

@@ -10,4 +10,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_linear_weight", &pack_linear_weight, "W [N, K] -> panels [ceil(N/48), K, 48]");
   m.def("decode_layer", &decode_layer, "h [seqs, hidden] -> h after a decoder layer (decodes)");
   m.def("linear", &linear, "x [rows, K], panels, N, bias -> x W^T + bias [rows, N]");
+  m.def("bf16_linear_available", &bf16_linear_available,
+        "whether `linear_bf16` was built (needs AVX-512)");
+  m.def("pack_linear_weight_bf16", &pack_linear_weight_bf16,
+        "W [N, K] -> bf16 panels [ceil(N/48), ceil(K/2), 48, 2] (k pairs per output lane)");
+  m.def("linear_bf16", &linear_bf16,
+        "bf16 x [rows, K], bf16 panels, N, bias -> bf16(x W^T + bias) [rows, N], fp32 sums");
 }

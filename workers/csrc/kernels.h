@@ -15,6 +15,10 @@ bool linear_available();
 at::Tensor pack_linear_weight(const at::Tensor& w);
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
                   const c10::optional<at::Tensor>& bias);
+bool bf16_linear_available();
+at::Tensor pack_linear_weight_bf16(const at::Tensor& w);
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                       const c10::optional<at::Tensor>& bias);
 at::Tensor decode_layer(const at::Tensor& h, const std::vector<at::Tensor>& w,
                         const std::vector<int64_t>& dims, const at::Tensor& cos,
                         const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache,

@@ -1,0 +1,224 @@
+// A batch-invariant bf16 linear layer for AVX-512 CPUs: out = bf16(x W^T + bias), W prepacked.
+//
+// Weights and activations stay bf16 in memory (half the bytes of fp32, which is what bounds a
+// batch-1 decode step); each product runs in fp32: every output element is one fp32 fused
+// multiply-add chain over k = 0..K-1, in that order, whatever the row count or the tile it lands
+// in, then + bias in fp32, then one round-to-nearest-even to bf16 (torch's `.to(torch.bfloat16)`).
+// So a row's numbers are the same alone or in a batch of 32, as with the fp32 `linear`.
+//
+// Why fp32 FMAs rather than vdpbf16ps (AVX512-BF16's bf16 pair dot product, 64 FLOPs an
+// instruction against an fp32 FMA's 32): on the Xeon we measured (family 6 model 207, AVX512-BF16
+// without AMX) vdpbf16ps issues once per ~2.1 cycles against the FMA's twice per cycle, so its
+// peak is about half the fp32 one (~90 against ~180 GFLOP/s a core); a vdpbf16ps kernel over
+// these panels ran at ~100 GFLOP/s a core, as oneDNN's bf16 does, against ~175 for this one.
+// Widening a bf16 to fp32 is a shift or a mask, 2 integer ops per 32 weights, shared by the rows
+// of a tile. The panels are still laid out for vdpbf16ps (k pairs interleaved per output lane),
+// so a CPU where it is fast can take a dot-product kernel over the same packing.
+//
+// A product of two bf16 values is exact in fp32, so each FMA here equals a multiply then an fp32
+// add: the result is reproducible in torch, k by k (tests/test_cpu_linear.py does).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kNR = 48;      // outputs per panel: 3 AVX-512 vectors of fp32
+constexpr int64_t kMR = 8;       // rows per tile: 8 x 3 accumulators, 24 of the 32 registers
+constexpr int64_t kPairs = 2;    // k values per packed lane (a vdpbf16ps pair)
+constexpr int64_t kRowBlock = 64;  // rows per work item when a batch is split over rows too
+constexpr int64_t kPrefetchBytes = 2048;  // ~10 k pairs ahead in a panel
+
+#ifdef __AVX512F__
+
+// panels per tile for MR rows: small tiles read several panels so that 12-24 independent FMA
+// chains hide the FMA latency (4 cycles, 2 per cycle); each output's chain is unchanged
+constexpr int groups_for(int mr) { return mr <= 2 ? 4 : mr <= 4 ? 2 : 1; }
+
+// fp32 [16] -> bf16 [16], round to nearest even; NaN -> quiet NaN (c10::round_to_nearest_even)
+inline __m256i to_bf16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(
+      _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc00000));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+}
+
+// out[m, g * 48 + :n_valid] = x[m, :] . panel g (+ bias) for MR rows and G panels.
+// x: fp32 [MR, K2] (ldx), K2 = 2 * pairs, zero-padded; panels: bf16 [G][pairs, 48, 2] (stride ldp)
+template <int MR, int G>
+void tile(const float* x, int64_t ldx, const uint16_t* __restrict__ panels, int64_t ldp,
+          int64_t pairs, uint16_t* out, int64_t ldo, int64_t n_valid, const float* bias) {
+  __m512 acc[MR][G][3];
+  for (int m = 0; m < MR; ++m)
+    for (int g = 0; g < G; ++g)
+      for (int j = 0; j < 3; ++j) acc[m][g][j] = _mm512_setzero_ps();
+  const __m512i hi = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+  for (int64_t kk = 0; kk < pairs; ++kk) {
+    for (int g = 0; g < G; ++g) {
+      const uint16_t* w = panels + g * ldp + kk * kNR * kPairs;
+      // a weight matrix past the L2 (lm_head's 56 MB) streams from memory at the pace of the
+      // FMAs; the hardware prefetcher alone left 8-32 row tiles waiting on it (~1.4x slower)
+      const char* ahead = reinterpret_cast<const char*>(w) + kPrefetchBytes;
+      for (int j = 0; j < 3; ++j) _mm_prefetch(ahead + 64 * j, _MM_HINT_T0);
+      __m512i v[3];
+      for (int j = 0; j < 3; ++j) v[j] = _mm512_load_si512(w + 32 * j);
+      // k = 2 kk: the low halves, shifted up, are the fp32 values
+      __m512 we[3];
+      for (int j = 0; j < 3; ++j) we[j] = _mm512_castsi512_ps(_mm512_slli_epi32(v[j], 16));
+      for (int m = 0; m < MR; ++m) {
+        const __m512 a = _mm512_set1_ps(x[m * ldx + 2 * kk]);
+        for (int j = 0; j < 3; ++j) acc[m][g][j] = _mm512_fmadd_ps(a, we[j], acc[m][g][j]);
+      }
+      // k = 2 kk + 1: the high halves, low bits cleared
+      __m512 wo[3];
+      for (int j = 0; j < 3; ++j) wo[j] = _mm512_castsi512_ps(_mm512_and_si512(v[j], hi));
+      for (int m = 0; m < MR; ++m) {
+        const __m512 a = _mm512_set1_ps(x[m * ldx + 2 * kk + 1]);
+        for (int j = 0; j < 3; ++j) acc[m][g][j] = _mm512_fmadd_ps(a, wo[j], acc[m][g][j]);
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < 3; ++j) {
+      const int64_t left = std::clamp<int64_t>(n_valid - g * kNR - 16 * j, 0, 16);
+      if (left == 0) continue;
+      const __mmask16 mask = static_cast<__mmask16>((1u << left) - 1u);
+      const float* b = bias ? bias + g * kNR + 16 * j : nullptr;
+      const __m512 bv = b ? _mm512_maskz_loadu_ps(mask, b) : _mm512_setzero_ps();
+      for (int m = 0; m < MR; ++m)
+        _mm256_mask_storeu_epi16(out + m * ldo + g * kNR + 16 * j, mask,
+                                 to_bf16(_mm512_add_ps(acc[m][g][j], bv)));
+    }
+}
+
+using TileFn = void (*)(const float*, int64_t, const uint16_t*, int64_t, int64_t, uint16_t*,
+                        int64_t, int64_t, const float*);
+
+template <int MR, int G>
+constexpr TileFn tile_or_null() {
+  if constexpr (G <= groups_for(MR)) return tile<MR, G>;
+  else return nullptr;
+}
+
+template <int MR>
+constexpr std::array<TileFn, 5> row_of_tiles() {
+  return {nullptr, tile_or_null<MR, 1>(), tile_or_null<MR, 2>(), tile_or_null<MR, 3>(),
+          tile_or_null<MR, 4>()};
+}
+
+// kTiles[mr][g]: mr rows by g panels (nullptr where g > groups_for(mr))
+constexpr std::array<TileFn, 5> kTiles[kMR + 1] = {
+    {}, row_of_tiles<1>(), row_of_tiles<2>(), row_of_tiles<3>(), row_of_tiles<4>(),
+    row_of_tiles<5>(), row_of_tiles<6>(), row_of_tiles<7>(), row_of_tiles<8>()};
+
+// bf16 [rows, K] (ldx) -> fp32 [rows, K2], zero past K
+void widen_rows(const uint16_t* x, int64_t ldx, int64_t rows, int64_t K, int64_t K2, float* out) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const uint16_t* src = x + r * ldx;
+      float* dst = out + r * K2;
+      for (int64_t k = 0; k < K2; k += 16) {
+        const int64_t left = std::clamp<int64_t>(K - k, 0, 16);
+        const __mmask16 mask = static_cast<__mmask16>((1u << left) - 1u);
+        const __m512i v = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, src + k));
+        const __mmask16 store = static_cast<__mmask16>((1u << std::min<int64_t>(16, K2 - k)) - 1u);
+        _mm512_mask_storeu_ps(dst + k, store, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
+      }
+    }
+  });
+}
+
+#endif
+
+}  // namespace
+
+bool bf16_linear_available() {
+#ifdef __AVX512F__
+  return true;
+#else
+  return false;
+#endif
+}
+
+// w: [N, K] (bf16, or a float type rounded to bf16) -> bf16 panels
+// [ceil(N / 48), ceil(K / 2), 48, 2]:
+// panel p, pair kk, lane n holds (W[48 p + n, 2 kk], W[48 p + n, 2 kk + 1]), zero past N and K
+at::Tensor pack_linear_weight_bf16(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && at::isFloatingType(w.scalar_type()),
+              "pack_linear_weight_bf16: a float [N, K] weight");
+  const int64_t N = w.size(0), K = w.size(1);
+  const int64_t panels = (N + kNR - 1) / kNR, pairs = (K + 1) / 2;
+  auto padded = at::zeros({panels * kNR, pairs * kPairs}, w.options().dtype(at::kBFloat16));
+  padded.narrow(0, 0, N).narrow(1, 0, K).copy_(w);
+  return padded.view({panels, kNR, pairs, kPairs}).permute({0, 2, 1, 3}).contiguous();
+}
+
+// x: bf16 [rows, K] (dense last dim), packed: bf16 [panels, ceil(K / 2), 48, 2] -> bf16 [rows, n].
+// The panels keep ceil(K / 2), not K: an x one column short of an even K passes the check
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                       const c10::optional<at::Tensor>& bias) {
+#ifdef __AVX512F__
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.stride(1) == 1,
+              "linear_bf16: bf16 x [rows, K] with a dense last dim");
+  const int64_t rows = x.size(0), K = x.size(1), pairs = (K + 1) / 2, panels = packed.size(0);
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
+                  packed.dim() == 4 && packed.size(1) == pairs && packed.size(2) == kNR &&
+                  packed.size(3) == kPairs && n > (panels - 1) * kNR && n <= panels * kNR,
+              "linear_bf16: packed bf16 weight [panels, ceil(K / 2), 48, 2] for ", n,
+              " outputs and K = ", K);
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(packed.data_ptr()) % 64 == 0,
+              "linear_bf16: packed weight must start on a 64-byte boundary "
+              "(pack_linear_weight_bf16's)");
+  at::Tensor bias32;
+  if (bias.has_value()) {
+    TORCH_CHECK(at::isFloatingType(bias->scalar_type()) && bias->numel() == n,
+                "linear_bf16: bias [n]");
+    bias32 = bias->to(at::kFloat).contiguous();  // bf16 -> fp32 is exact
+  }
+  auto out = at::empty({rows, n}, x.options());
+  if (rows == 0) return out;
+  const int64_t K2 = pairs * kPairs;
+  auto x32 = at::empty({rows, K2}, x.options().dtype(at::kFloat));
+  widen_rows(reinterpret_cast<const uint16_t*>(x.data_ptr()), x.stride(0), rows, K, K2,
+             x32.data_ptr<float>());
+  const float* xp = x32.data_ptr<float>();
+  const float* b = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
+  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const int64_t ldp = pairs * kNR * kPairs;  // one panel, in bf16 elements
+  // work items: (row block, panel); a thread's share is a run of panels of one row block or more.
+  // Panel-outer inside a run: a panel stays in cache while every row tile of the block reads it
+  const int64_t row_blocks = (rows + kRowBlock - 1) / kRowBlock;
+  at::parallel_for(0, row_blocks * panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end;) {
+      const int64_t rb = item / panels, p_begin = item % panels;
+      const int64_t p_end = std::min(panels, p_begin + (end - item));
+      const int64_t r0 = rb * kRowBlock, r1 = std::min(rows, r0 + kRowBlock);
+      const int group = groups_for(static_cast<int>(std::min(kMR, r1 - r0)));
+      for (int64_t p = p_begin; p < p_end; p += group) {
+        const int64_t g = std::min<int64_t>(group, p_end - p);
+        const int64_t n0 = p * kNR, n_valid = std::min(g * kNR, n - n0);
+        for (int64_t m0 = r0; m0 < r1; m0 += kMR) {
+          const int64_t mr = std::min(kMR, r1 - m0);
+          kTiles[mr][g](xp + m0 * K2, K2, wp + p * ldp, ldp, pairs, op + m0 * n + n0, n, n_valid,
+                        b ? b + n0 : nullptr);
+        }
+      }
+      item += p_end - p_begin;
+    }
+  });
+  return out;
+#else
+  TORCH_CHECK(false, "linear_bf16: built without AVX-512");
+#endif
+}
