@@ -4,12 +4,18 @@ Ray Serve's gRPC proxy calls the methods named after the RPCs with the request m
 `grpc_context`; `Generate` is an async generator, so tokens stream as they are produced. A
 client that disconnects cancels the replica's task, which aborts the engine request and frees
 its KV blocks (AsyncLLMEngine.generate's cleanup).
+
+A replica reports ready only after a warm-up request went through its whole path on its device
+(a replica that cannot generate fails to start, and Serve retries it), and its `check_health`
+fails once the engine's step loop has died, so Serve replaces it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
+import os
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -25,25 +31,43 @@ from cluster.metrics import ServiceMetrics
 from cluster.replica_status import StatusPublisher
 from cluster.service import GenerationService
 from kvserve.v1 import generation_pb2 as pb
-from workers.async_engine import AsyncLLMEngine
+from workers.async_engine import AsyncLLMEngine, WarmUp
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
 
+logger = logging.getLogger("ray.serve")
+
 SHUTDOWN_DRAIN_S = 2.0
+# "1" in a replica's environment enables `admin` (fault injection). Tests set it before they
+# start Ray; a production replica refuses every admin call.
+ADMIN_ENV = "KVSERVE_REPLICA_ADMIN"
 
 
 @serve.deployment(name="Generation")
 class GenerationDeployment:
-    def __init__(self, engine_config: dict[str, Any], replicas: int,
-                 stream_coalesce_ms: float = 0.0, cache_manager_config: dict | None = None) -> None:
+    async def __init__(  # type: ignore[misc] - Serve awaits an async constructor
+        self, engine_config: dict[str, Any], replicas: int, stream_coalesce_ms: float = 0.0,
+        cache_manager_config: dict | None = None,
+    ) -> None:
+        """Async so that the warm-up runs on the engine's own step loop, as requests do."""
         self.engine = LLMEngine(EngineConfig(**engine_config))
-        self.service = GenerationService(AsyncLLMEngine(self.engine), replicas=replicas,
+        engine = AsyncLLMEngine(self.engine)
+        # before anything reports on the engine: metrics and the cache manager never see it
+        self.warm_up = await _warm_up(engine)
+        self.service = GenerationService(engine, replicas=replicas,
                                          stream_coalesce_ms=stream_coalesce_ms)
         self.metrics = ServiceMetrics(self.engine.info.name)
         self.status_publisher = StatusPublisher(self.engine.load).start()
         self.kv_reporter = _start_kv_reporter(self.engine, self.status_publisher.replica_id,
                                               cache_manager_config or {})
         self.open_streams = 0
+
+    async def check_health(self) -> None:
+        """Serve's health check, every `health_check_period_s`: raising marks the replica
+        unhealthy, and Serve replaces it after a few failures in a row. It fails once the
+        engine's step loop died (a step raised, e.g. on a CUDA fault): such a replica would
+        answer every request with an error (EngineDeadError, UNAVAILABLE) until replaced."""
+        self.service.engine.check_health()
 
     async def Generate(  # noqa: N802 - named after the RPC
         self, request: pb.GenerateRequest, grpc_context: RayServegRPCContext
@@ -99,6 +123,45 @@ class GenerationDeployment:
 
     def kv_stats(self) -> dict:
         return dataclasses.asdict(self.engine.kv_stats())
+
+    def warm_up_report(self) -> dict:
+        """The warm-up request this replica ran before it took traffic (prompt_tokens,
+        generated_tokens, seconds); also in the replica's log."""
+        return dataclasses.asdict(self.warm_up)
+
+    def admin(self, action: str) -> str:
+        """Fault injection on this one replica, to test what Serve does with a broken one;
+        refused unless $KVSERVE_REPLICA_ADMIN is "1" in the replica's environment. Not a gRPC
+        method: only a DeploymentHandle inside the cluster reaches it.
+
+        `fail_next_step`: the next model step raises, as a CUDA fault would, so the engine's
+        step loop dies (the request it ran fails UNAVAILABLE) and `check_health` fails.
+        Returns this replica's id."""
+        if os.environ.get(ADMIN_ENV) != "1":
+            raise PermissionError(f"admin actions are off on this replica (set {ADMIN_ENV}=1 "
+                                  "in its environment to allow them)")
+        if action != "fail_next_step":
+            raise ValueError(f"unknown admin action {action!r} (fail_next_step)")
+
+        def failing_step() -> list:
+            raise RuntimeError("injected step failure (admin fail_next_step)")
+
+        self.engine.step = failing_step  # type: ignore[method-assign]
+        return self.status_publisher.replica_id
+
+
+async def _warm_up(engine: AsyncLLMEngine) -> WarmUp:
+    """The engine's warm-up request, or the replica fails to start with a message that says
+    so (Serve retries the constructor, then reports the deployment failed)."""
+    try:
+        result = await engine.warm_up()
+    except Exception as exc:
+        await engine.shutdown()
+        raise RuntimeError(f"kvserve: the replica's warm-up request failed, so it does not "
+                           f"start: {type(exc).__name__}: {exc}") from exc
+    logger.info("kvserve: warm-up: %d prompt tokens, %d generated, in %.2f s",
+                result.prompt_tokens, result.generated_tokens, result.seconds)
+    return result
 
 
 def _start_kv_reporter(engine: LLMEngine, replica_id: str, config: dict) -> KVReporter:

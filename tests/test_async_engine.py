@@ -276,3 +276,130 @@ def test_while_a_request_decodes_prompt_chunks_fit_the_itl_target(make_tiny_engi
     assert PrefillRate(budget=512, tokens_per_s=1e5).token_budget(3, 200.0) == 512  # a GPU
     assert PrefillRate(budget=512, tokens_per_s=10.0).token_budget(3, 200.0) == 19  # 3 + 16
     assert PrefillRate(budget=512, tokens_per_s=100.0).token_budget(0, 200.0) == 512  # no decode
+
+
+def _fail_steps(core, message: str = "injected step failure") -> None:
+    """From now on every step of `core` raises, as one would after a CUDA fault."""
+
+    def failing_step() -> list:
+        raise RuntimeError(message)
+
+    core.step = failing_step
+
+
+async def _wait_idle(core, timeout_s: float = 5.0) -> None:
+    """A dead loop frees the requests' blocks on the step thread: soon, not at once."""
+    for _ in range(int(timeout_s / 0.01)):
+        if not core.requests:
+            return
+        await asyncio.sleep(0.01)
+
+
+def test_health_check_passes_while_the_loop_runs_and_fails_once_a_step_raised(
+    make_tiny_engine,
+):
+    from workers.async_engine import EngineDeadError
+    from workers.errors import EngineShutdownError
+
+    core = make_tiny_engine()
+    params = {"max_tokens": 400, "ignore_eos": True}
+
+    async def scenario() -> None:
+        engine = AsyncLLMEngine(core)
+        engine.check_health()  # no loop yet: nothing has died
+        stream = engine.generate(prompt_token_ids=list(range(10, 30)), params=params)
+        for _ in range(3):
+            await anext(stream)
+            engine.check_health()  # the loop runs
+        _fail_steps(core, "CUDA error: an illegal memory access")
+        with pytest.raises(EngineDeadError, match="illegal memory access") as err:
+            async for _ in stream:  # outputs already queued may come first
+                pass
+        assert isinstance(err.value, EngineShutdownError)  # UNAVAILABLE: retry elsewhere
+        with pytest.raises(EngineDeadError, match="illegal memory access") as err:
+            engine.check_health()
+        assert isinstance(err.value.__cause__, RuntimeError)
+        # a request after the death fails at once, it does not wait for a loop that is gone
+        with pytest.raises(EngineDeadError, match="step loop died"):
+            await asyncio.wait_for(anext(engine.generate(prompt_token_ids=[5, 6],
+                                                         params=params)), timeout=5)
+        await _wait_idle(core)
+        assert_engine_idle(core)  # the dead loop's requests gave their blocks back
+        await engine.shutdown()
+        with pytest.raises(EngineShutdownError):
+            engine.check_health()
+
+    asyncio.run(scenario())
+
+
+def test_a_cancelled_step_loop_is_dead_and_fails_open_and_new_requests(make_tiny_engine):
+    from workers.async_engine import EngineDeadError
+
+    core = make_tiny_engine()
+    params = {"max_tokens": 400, "ignore_eos": True}
+
+    async def scenario() -> None:
+        engine = AsyncLLMEngine(core)
+        stream = engine.generate(prompt_token_ids=[10, 11, 12], params=params)
+        await anext(stream)
+        engine._loop_task.cancel()  # what "the loop ended" means besides a raising step
+        await asyncio.sleep(0)
+        with pytest.raises(EngineDeadError, match="cancelled"):
+            engine.check_health()
+        with pytest.raises(EngineDeadError):
+            async for _ in stream:
+                pass
+        with pytest.raises(EngineDeadError):
+            await asyncio.wait_for(anext(engine.generate(prompt_token_ids=[5],
+                                                         params=params)), timeout=5)
+        await _wait_idle(core)
+        assert_engine_idle(core)
+        await engine.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_warm_up_runs_a_request_end_to_end_and_leaves_nothing_behind(make_tiny_engine):
+    # one-token blocks and a 2-token step budget: a warm-up that cached blocks, recorded KV
+    # events, counted prefix queries or kept its cold step's throughput would show
+    core = make_tiny_engine(enable_prefix_caching=True, block_size=1, max_num_batched_tokens=2)
+    core.kv_events.enabled = True
+
+    async def scenario() -> None:
+        engine = AsyncLLMEngine(core)
+        result = await engine.warm_up()
+        assert engine.warmed_up == result
+        assert result.generated_tokens == 2 and result.prompt_tokens > 0 and result.seconds > 0
+        assert_engine_idle(core)
+        assert core.block_manager.cached_hashes() == {"device": [], "host": []}
+        assert core.kv_events.drain() == []
+        stats = core.kv_stats()
+        assert (stats.prefix_queried_tokens, stats.device_cached) == (0, 0)
+        assert core.prefill_rate.tokens_per_s is None
+        engine.check_health()
+        # and the settings it turned off are back: a user request caches and is measured
+        outs = [o async for o in engine.generate(prompt_token_ids=[10, 11, 12],
+                                                 params={"max_tokens": 2})]
+        assert outs[-1].finish_reason == "length"
+        assert core.kv_stats().device_cached > 0 and core.kv_events.drain()
+        assert core.prefill_rate.tokens_per_s is not None
+        await engine.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_a_warm_up_whose_step_fails_raises_and_restores_prefix_caching(make_tiny_engine):
+    from workers.async_engine import EngineDeadError
+
+    core = make_tiny_engine(enable_prefix_caching=True)
+    _fail_steps(core, "no kernel image is available for execution on the device")
+
+    async def scenario() -> None:
+        engine = AsyncLLMEngine(core)
+        with pytest.raises(EngineDeadError, match="no kernel image"):
+            await engine.warm_up()
+        assert core.block_manager.enable_caching and engine.warmed_up is None
+        await engine.shutdown()
+        assert_engine_idle(core)
+
+    asyncio.run(scenario())

@@ -73,6 +73,41 @@ def test_app_config_rejects_unknown_and_bad_fields():
         AppConfig.model_validate({"replicas": 0})
 
 
+def test_app_config_engine_settings_reach_the_replicas_engine_config():
+    from workers.config import EngineConfig
+
+    settings = {"dtype": "bfloat16", "device": "cuda:1", "attention_backend": "flash_attn",
+                "block_size": 512, "max_model_len": 4096, "gpu_memory_utilization": 0.8,
+                "rope_parameters": {"rope_type": "yarn", "factor": 2.0}}
+    engine = EngineConfig(**AppConfig.model_validate(settings).engine_config())
+    assert {k: getattr(engine, k) for k in settings} == settings
+
+
+def test_app_config_defaults_are_the_engines_but_for_the_pool_and_prefix_caching():
+    from workers.config import EngineConfig
+
+    served = EngineConfig(**AppConfig().engine_config())
+    assert served == EngineConfig(kv_cache_memory="1GiB", enable_prefix_caching=True)
+
+
+@pytest.mark.parametrize("settings, field", [
+    ({"dtype": "fp8"}, "dtype"),
+    ({"attention_backend": "xformers"}, "attention_backend"),
+    ({"device": "tpu9"}, "device"),
+    ({"block_size": 0}, "block_size"),
+    ({"max_model_len": 0}, "max_model_len"),
+    ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+    ({"rope_parameters": "yarn"}, "rope_parameters"),
+    ({"kv_cache_memory": "lots"}, "kv_cache_memory"),
+    ({"health_check_period_s": 0}, "health_check_period_s"),
+    ({"attention_backend": "flash_attn", "device": "cpu"}, "attention_backend"),
+    ({"attention_backend": "flash_attn", "block_size": 16}, "block_size"),
+])
+def test_app_config_rejects_bad_engine_settings_naming_the_field(settings, field):
+    with pytest.raises(ValidationError, match=field):
+        AppConfig.model_validate(settings)
+
+
 def test_async_client_streams_and_reports_errors(served):
     import asyncio
 

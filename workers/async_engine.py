@@ -3,14 +3,23 @@
 Steps run in a worker thread (torch releases the GIL), so the event loop keeps serving clients
 while the model computes. The engine's state is only touched between steps: new requests and
 aborts are queued by the event loop and applied by the step loop before the next step.
+
+If the step loop dies (a step raised, e.g. on a CUDA fault, or the loop was cancelled), the
+engine is dead for good rather than restarted: a step that failed once (a poisoned CUDA
+context) would fail every request after it. Open streams and new requests get EngineDeadError
+at once, and `check_health` raises, so Ray Serve replaces the replica.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import time
+import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 from workers.engine import LLMEngine
@@ -18,6 +27,36 @@ from workers.errors import EngineShutdownError, InvalidRequestError, QueueFullEr
 from workers.outputs import RequestOutput
 from workers.sampling_params import SamplingParams
 from workers.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+WARM_UP_PROMPT = "Hello"  # a token or two: the cheapest request that still tokenizes text
+WARM_UP_TOKENS = 2  # one prefill step and one decode step: both attention paths run
+
+
+class EngineDeadError(EngineShutdownError):
+    """The step loop died: this engine serves nothing more. An EngineShutdownError, so front
+    ends answer UNAVAILABLE (retry on another replica) while Serve replaces this one."""
+
+    def __init__(self, message: str = "the engine's step loop died; retry on another replica"
+                 ) -> None:
+        super().__init__(message)
+
+    @classmethod
+    def caused_by(cls, cause: BaseException) -> EngineDeadError:
+        error = cls(f"the engine's step loop died ({type(cause).__name__}: {cause}); "
+                    "retry on another replica")
+        error.__cause__ = cause
+        return error
+
+
+@dataclass(frozen=True)
+class WarmUp:
+    """What `AsyncLLMEngine.warm_up` ran: proof that the whole path works on this device."""
+
+    prompt_tokens: int
+    generated_tokens: int
+    seconds: float
 
 
 class AsyncLLMEngine:
@@ -30,6 +69,8 @@ class AsyncLLMEngine:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-step")
         self._loop_task: asyncio.Task | None = None
         self._closed = False
+        self._death: BaseException | None = None  # what killed the step loop
+        self.warmed_up: WarmUp | None = None
 
     async def generate(
         self, *, prompt: str | None = None, prompt_token_ids: list[int] | None = None,
@@ -42,11 +83,11 @@ class AsyncLLMEngine:
         Raises InvalidRequestError on bad input, QueueFullError when `max_waiting_requests`
         are already waiting, the waiting ones need `max_waiting_kv_pools` pools of KV or the
         prompt work ahead would take more than `max_expected_wait_s`,
-        EngineShutdownError once shutdown began (also to open streams).
+        EngineShutdownError once shutdown began (also to open streams), EngineDeadError once
+        the step loop died (also to open streams).
         Leaving the iteration early (break, cancel) aborts the request and frees its KV blocks.
         """
-        if self._closed:
-            raise EngineShutdownError()
+        self.check_health()
         seq = self.engine.make_sequence(
             prompt=prompt, prompt_token_ids=prompt_token_ids, messages=messages,
             params=params, request_id=request_id, cache_salt=cache_salt,
@@ -117,11 +158,72 @@ class AsyncLLMEngine:
         self._aborts.append(request_id)
         self._wake.set()
 
+    def check_health(self) -> None:
+        """Raise unless this engine can serve: EngineDeadError (its cause: what killed the
+        step loop) once the loop died, EngineShutdownError after `shutdown`. Ray Serve's
+        health check calls it, so a replica with a dead loop is replaced instead of answering
+        every request with an error. Cheap: no step, no lock."""
+        if self._closed:
+            raise EngineShutdownError()
+        task = self._loop_task
+        if self._death is None and task is not None and task.done():  # ended some other way
+            self._death = RuntimeError("the step loop ended")
+        if self._death is not None:
+            raise EngineDeadError.caused_by(self._death)
+
+    async def warm_up(self, prompt: str = WARM_UP_PROMPT,
+                      max_tokens: int = WARM_UP_TOKENS) -> WarmUp:
+        """Run one short request through the whole path (tokenize, schedule, model step,
+        sample, detokenize) before serving: an engine that cannot generate on this device fails
+        here, at start-up, and the first user request does not pay the one-time costs (CUDA
+        context and kernels, allocator growth).
+
+        It leaves nothing behind that a user request would not: its KV blocks are freed when it
+        finishes, and prefix caching is off while it runs, so it caches no block, records no KV
+        event and counts no prefix-cache query. Its cold first step is not kept as the measured
+        prompt throughput either. Call it before anything reports on the engine (the cluster's
+        KV reporter, metrics) and before any request; raises whatever the request raised."""
+        core = self.engine
+        if core.has_unfinished() or self._streams or self._new:
+            raise RuntimeError("warm_up must run before any request")
+        blocks = core.block_manager
+        caching, rate = blocks.enable_caching, core.prefill_rate.tokens_per_s
+        params = {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+        start = time.perf_counter()
+        blocks.enable_caching = False  # no step runs now: the loop is idle or not started
+        try:
+            outs = [out async for out in self.generate(
+                prompt=prompt, params=params, request_id=f"kvserve-warm-up-{uuid.uuid4().hex}")]
+        finally:  # the last output comes after its step returned: no step runs now either
+            blocks.enable_caching = caching
+            core.prefill_rate.tokens_per_s = rate
+        generated = sum(len(out.token_ids) for out in outs)
+        last = outs[-1] if outs else None
+        if last is None or last.usage is None or generated != max_tokens:
+            raise RuntimeError(f"the warm-up request made {generated} of {max_tokens} tokens")
+        self.warmed_up = WarmUp(last.usage.prompt_tokens, generated,
+                                time.perf_counter() - start)
+        return self.warmed_up
+
     def _ensure_loop(self) -> None:
-        if self._loop_task is None or self._loop_task.done():
-            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+        if self._loop_task is None:  # once: a loop that ended is dead (check_health says so)
+            self._loop_task = asyncio.get_running_loop().create_task(
+                self._run(), name="kvserve-step-loop")
 
     async def _run(self) -> None:
+        """The step loop; anything escaping it kills the engine (`_die`), except shutdown's
+        cancellation."""
+        try:
+            await self._step_until_cancelled()
+        except asyncio.CancelledError:
+            if not self._closed:
+                self._die(RuntimeError("the step loop was cancelled"))
+            raise
+        except Exception as exc:  # noqa: BLE001 - recorded for check_health, logged here
+            logger.error("kvserve: the engine's step loop died", exc_info=exc)
+            self._die(exc)
+
+    async def _step_until_cancelled(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
             await self._wake.wait()
@@ -129,13 +231,26 @@ class AsyncLLMEngine:
             if not self.engine.has_unfinished():
                 self._wake.clear()
                 continue
-            try:
-                outputs = await loop.run_in_executor(self._executor, self.engine.step)
-            except Exception as exc:  # a broken step must not hang the clients
-                self._fail_all(exc)
-                raise
+            outputs = await loop.run_in_executor(self._executor, self.engine.step)
             for out in outputs:
                 self._deliver(out)
+
+    def _die(self, cause: BaseException) -> None:
+        """The loop is dead: every open stream fails now rather than hang, and the requests'
+        KV blocks are freed on the step thread, after any step still in flight there."""
+        self._death = cause
+        self._new.clear()
+        for stream in self._streams.values():
+            stream.put_nowait(EngineDeadError.caused_by(cause))
+        if not self._closed:
+            self._executor.submit(self._abort_everything)
+
+    def _abort_everything(self) -> None:
+        for request_id in list(self.engine.requests):
+            try:
+                self.engine.abort(request_id)
+            except Exception:  # noqa: BLE001 - best effort: the replica is replaced anyway
+                logger.warning("kvserve: could not free request %s", request_id, exc_info=True)
 
     def _apply_pending(self) -> None:
         new, self._new = self._new, []
