@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from workers.attention import make_backend, resolve_backend_name
-from workers.attention.flash_backend import FLASH_BLOCK_MULTIPLE
+from workers.attention.flash_backend import default_provider_name, required_block_multiple
 from workers.block_manager import BlockManager
 from workers.config import EngineConfig
 from workers.cpu_kernels import load_cpu_kernels
@@ -328,10 +328,14 @@ def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def _resolve_block_size(block_size: int | None, backend: str) -> int:
+    """flash_attn: a multiple of what its kernel provider's paged cache accepts (the provider
+    `make_backend` picked: the same choice, `default_provider_name()`)."""
     if backend == "flash_attn":
-        block_size = block_size or FLASH_BLOCK_MULTIPLE
-        if block_size % FLASH_BLOCK_MULTIPLE:
-            raise ValueError(f"flash_attn needs block_size a multiple of {FLASH_BLOCK_MULTIPLE}")
+        provider = default_provider_name()
+        multiple = required_block_multiple(provider)
+        block_size = block_size or multiple
+        if block_size % multiple:
+            raise ValueError(f"flash_attn ({provider}) needs block_size a multiple of {multiple}")
     return block_size or 16
 
 

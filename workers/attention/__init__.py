@@ -4,11 +4,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 from types import ModuleType
 
 import torch
 
+from workers.attention.flash_backend import FlashAttention, default_provider_name
 from workers.attention.metadata import AttentionMetadata, PrefillSegment
 from workers.attention.torch_backend import PagedAttention, TorchAttention
 
@@ -16,12 +16,13 @@ BACKENDS = ("auto", "torch", "cpu", "flash_attn")
 
 
 def resolve_backend_name(name: str, device: torch.device) -> str:
-    """`auto` picks flash_attn on CUDA when the package is installed, cpu on a CPU, torch
+    """`auto` picks flash_attn on CUDA when one of its kernel providers is there (the
+    flash-attn package, or torch's varlen_attn with block_table), cpu on a CPU, torch
     otherwise."""
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
     if name == "auto":
-        flash_ok = device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None
+        flash_ok = device.type == "cuda" and default_provider_name() is not None
         if flash_ok:
             return "flash_attn"
         return "cpu" if device.type == "cpu" else "torch"
@@ -36,9 +37,7 @@ def make_backend(name: str, cpu_kernels: ModuleType | None = None) -> PagedAtten
     """The backend `name` resolves to; `cpu` without `cpu_kernels` (workers.cpu_kernels, which
     could not be built) is the torch backend."""
     if name == "flash_attn":
-        from workers.attention.flash_backend import FlashAttention
-
-        return FlashAttention()
+        return FlashAttention()  # its kernel provider: flash-attn, else torch's varlen_attn
     if name == "cpu":
         from workers.attention.cpu_backend import CPUAttention
 
@@ -48,6 +47,6 @@ def make_backend(name: str, cpu_kernels: ModuleType | None = None) -> PagedAtten
 
 
 __all__ = [
-    "AttentionMetadata", "PagedAttention", "PrefillSegment", "TorchAttention", "make_backend",
-    "resolve_backend_name",
+    "AttentionMetadata", "FlashAttention", "PagedAttention", "PrefillSegment", "TorchAttention",
+    "make_backend", "resolve_backend_name",
 ]
