@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import collections
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
+
+import torch
+from torch.overrides import TorchFunctionMode
 
 from workers.engine import LLMEngine
 
@@ -42,3 +46,41 @@ def poll(read: Callable[[], T], until: Callable[[T], bool], timeout_s: float,
         time.sleep(interval_s)
         value = read()
     return value
+
+
+SYNCS = {"tolist", "cpu", "item", "__int__", "__float__", "__bool__", "__index__", "numpy"}
+CREATIONS = {"tensor", "as_tensor", "from_numpy"}
+
+
+def _has_list(index: Any) -> bool:
+    items = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(i, list) for i in items)
+
+
+class HostTraffic(TorchFunctionMode):
+    """Counts, inside its block, what would cost a device->host sync (reading a tensor's values
+    on the host), and host->device creations (a tensor built from host data: torch.tensor,
+    torch.as_tensor, from_numpy, or indexing with a Python list) and transfers (`.to(device)`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.syncs = 0
+        self.creations = 0
+        self.transfers = 0
+        self.calls: collections.Counter[str] = collections.Counter()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", str(func))
+        self.calls[name] += 1
+        if name in SYNCS:
+            self.syncs += 1
+        elif name in CREATIONS or (
+            name in ("__getitem__", "__setitem__") and _has_list(args[1])
+        ):
+            self.creations += 1
+        elif name in ("to", "cuda") and (
+            "device" in kwargs or any(isinstance(a, (str, torch.device)) for a in args[1:])
+        ):
+            self.transfers += 1
+        return func(*args, **kwargs)

@@ -117,3 +117,21 @@ def test_bench_throughput_json_reports_every_contender():
         report["kvserve_tok_s"] / report["hf_generate_tok_s"]
     )
     assert report["config"]["requests"] == 2
+
+
+def test_bench_throughput_bf16_puts_fp32_and_the_matmul_share_beside_it():
+    """--dtype bfloat16 on a CPU: HF in bf16, kvserve fp32 in the same run, and each kvserve
+    run's share of time in its projections (what bf16 shrinks) against the rest."""
+    out = run("bench", "throughput", "--dtype", "bfloat16", "--requests", "2", "--prompt-len",
+              "16", "--output-len", "4", "--hf-sequential-requests", "1", "--kv-cache-memory",
+              "64MiB", "--json")
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["config"]["dtype"] == "bfloat16"
+    assert report["fp32_kvserve_tok_s"] > 0
+    assert report["speedup_vs_fp32"] == pytest.approx(
+        report["kvserve_tok_s"] / report["fp32_kvserve_tok_s"])
+    for key in ("matmul_share", "fp32_matmul_share"):
+        assert 0 < report[key] <= 1, key
+    assert "float32" in report["summary"] and "the rest" in report["summary"]
+    assert "cpu:" in report["summary"]

@@ -144,13 +144,20 @@ def test_rotary_in_place_equals_transformers_rotation(cpu_kernels, rows):
     assert torch.equal(qkv[:, heads + kv_heads :], v), "v must stay as it is"
 
 
-def test_engine_uses_the_kernels_only_for_fp32_on_cpu(make_tiny_engine):
+def test_engine_uses_the_elementwise_kernels_only_for_fp32_on_cpu(make_tiny_engine, cpu_kernels):
+    """bf16 takes only the projections (`linear_bf16`); norms, RoPE, the activation and
+    attention run torch's ops, as transformers does; fp16 takes none of the kernels."""
     fp32 = make_tiny_engine()
     assert fp32.model.layers[0].mlp.kernels is not None
     assert fp32.model.norm.kernels is not None
     bf16 = make_tiny_engine(dtype="bfloat16")
     assert bf16.model.layers[0].mlp.kernels is None
     assert bf16.info.attention_backend == "torch"
+    if cpu_kernels.bf16_linear_available():
+        assert bf16.model.layers[0].mlp.down_proj.kernel is cpu_kernels.linear_bf16
+    fp16 = make_tiny_engine(dtype="float16")
+    assert fp16.model.layers[0].mlp.down_proj.kernel is None
+    assert fp16.info.attention_backend == "torch"
 
 
 def test_kernels_refuse_what_they_do_not_cover(cpu_kernels):

@@ -81,7 +81,7 @@ def test_linear_module_packs_for_the_kernels(kernels):
     x = torch.randn(5, 64)
     expected = lin(x)
     lin.pack_for_kernels(kernels)
-    assert lin.kernels is kernels and lin.weight.shape == (3, 64, 48)
+    assert lin.kernel is kernels.linear and lin.weight.shape == (3, 64, 48)
     torch.testing.assert_close(lin(x), expected, rtol=1e-5, atol=1e-5)
 
 
@@ -130,7 +130,7 @@ def test_decode_layer_only_where_the_cpu_backend_covers_the_shapes(kernels):
     uncovered = _build_model(tiny_checkpoint(), torch.device("cpu"), torch.float32, kernels)
     assert uncovered.decode_kernels is None  # head_dim 16
     covered = _build_model(tiny_checkpoint(**COVERED), torch.device("cpu"), torch.float32, kernels)
-    assert covered.lm_head.kernels is kernels
+    assert covered.lm_head.kernel is kernels.linear
     assert covered.lm_head.weight.data_ptr() != covered.embed_tokens.weight.data_ptr()
 
 

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
 
+from tests.helpers import HostTraffic
 from workers.errors import InvalidRequestError
 from workers.sampler import TokenLogprobs, _draw, sample, sampling_probs
 from workers.sampling_params import SamplingParams
@@ -659,44 +659,6 @@ def test_logprobs_of_different_widths_in_one_batch() -> None:
 
 
 # -- host <-> device traffic -----------------------------------------------------------------------
-
-SYNCS = {"tolist", "cpu", "item", "__int__", "__float__", "__bool__", "__index__", "numpy"}
-CREATIONS = {"tensor", "as_tensor", "from_numpy"}
-
-
-def _has_list(index: Any) -> bool:
-    items = index if isinstance(index, tuple) else (index,)
-    return any(isinstance(i, list) for i in items)
-
-
-class HostTraffic(TorchFunctionMode):
-    """Counts, inside its block, what would cost a device->host sync (reading a tensor's values
-    on the host), and host->device creations (a tensor built from host data: torch.tensor,
-    torch.as_tensor, from_numpy, or indexing with a Python list) and transfers (`.to(device)`)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.syncs = 0
-        self.creations = 0
-        self.transfers = 0
-        self.calls: collections.Counter[str] = collections.Counter()
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        kwargs = kwargs or {}
-        name = getattr(func, "__name__", str(func))
-        self.calls[name] += 1
-        if name in SYNCS:
-            self.syncs += 1
-        elif name in CREATIONS or (
-            name in ("__getitem__", "__setitem__") and _has_list(args[1])
-        ):
-            self.creations += 1
-        elif name in ("to", "cuda") and (
-            "device" in kwargs or any(isinstance(a, (str, torch.device)) for a in args[1:])
-        ):
-            self.transfers += 1
-        return func(*args, **kwargs)
-
 
 MIXED: list[dict[str, Any]] = [  # the first two rows already cover every feature
     {"temperature": 0.0, "repetition_penalty": 1.3, "logprobs": 2},  # greedy, penalised, lps

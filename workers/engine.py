@@ -73,8 +73,10 @@ class LLMEngine:
         self.max_model_len = _max_model_len(config, ckpt.config)
         cpu_kernels = _cpu_kernels(self.device, self.dtype)
         self.model = _build_model(ckpt, self.device, self.dtype, cpu_kernels)
+        # the decode attention kernel is fp32 code: other dtypes take the torch backend
+        attention_kernels = cpu_kernels if self.dtype == torch.float32 else None
         backend = make_backend(resolve_backend_name(config.attention_backend, self.device),
-                               cpu_kernels)
+                               attention_kernels)
         backend_name = backend.name
         block_size = _resolve_block_size(config.block_size, backend_name)
         spec = _kv_spec(ckpt.config, block_size, self.dtype)
@@ -340,8 +342,9 @@ def _resolve_block_size(block_size: int | None, backend: str) -> int:
 
 
 def _cpu_kernels(device: torch.device, dtype: torch.dtype) -> ModuleType | None:
-    """kvserve's C++ kernels where they apply (fp32 on a CPU), built at first use."""
-    if device.type != "cpu" or dtype != torch.float32:
+    """kvserve's C++ kernels where they apply (fp32 and bf16 on a CPU), built at first use.
+    fp16 runs torch's ops and oneDNN: CPUs have no fp16 arithmetic worth a kernel of its own."""
+    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         return None
     return load_cpu_kernels(cache_root() / "kernels")
 

@@ -7,6 +7,7 @@ transformers' Llama code in the same order and dtype so greedy output matches `g
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import ModuleType
 
 import torch
@@ -16,6 +17,7 @@ from transformers import PretrainedConfig
 
 from workers.attention import AttentionMetadata
 from workers.attention.cpu_backend import CPUAttention
+from workers.cpu_kernels import linear_available_for
 from workers.rope import rotate
 
 
@@ -54,11 +56,11 @@ class Linear(nn.Linear):
     """
 
     use_onednn: bool = False
-    kernels: ModuleType | None = None  # workers.cpu_kernels, when the weight is packed for it
+    kernel: Callable | None = None  # kernels.linear / linear_bf16, when the weight is packed for it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernels is not None:  # x: [rows, in_features]
-            return self.kernels.linear(x, self.weight, self.out_features, self.bias)
+        if self.kernel is not None:  # x: [rows, in_features]
+            return self.kernel(x, self.weight, self.out_features, self.bias)
         if not self.use_onednn:
             return F.linear(x, self.weight, self.bias)
         rows = x.shape[0]
@@ -76,10 +78,14 @@ class Linear(nn.Linear):
         self.use_onednn = True
 
     def pack_for_kernels(self, kernels: ModuleType) -> None:
-        """Swap the weight for panels of `kernels.linear` (as `pack_for_onednn` does)."""
-        packed = kernels.pack_linear_weight(self.weight.detach())
+        """Swap the weight for panels of `kernels.linear` (fp32) or `kernels.linear_bf16`
+        (bf16), as `pack_for_onednn` does."""
+        weight = self.weight.detach()
+        if weight.dtype == torch.bfloat16:
+            packed, self.kernel = kernels.pack_linear_weight_bf16(weight), kernels.linear_bf16
+        else:
+            packed, self.kernel = kernels.pack_linear_weight(weight), kernels.linear
         self.weight = nn.Parameter(packed, requires_grad=False)
-        self.kernels = kernels
 
 
 class RMSNorm(nn.Module):
@@ -234,21 +240,28 @@ class CausalLM(nn.Module):
         weights prepacked (see `Linear`). A tied lm_head gets its own packed copy; the embedding
         keeps the plain table."""
         for module in self.modules():
-            if isinstance(module, Linear) and module.kernels is None:
+            if isinstance(module, Linear) and module.kernel is None:
                 module.pack_for_onednn()
 
     def use_cpu_kernels(self, kernels: ModuleType) -> None:
-        """fp32 CPU only: norms, RoPE, the MLP activation and (with AVX-512) the projections in
-        kvserve's C++ kernels; a tied lm_head gets its own packed copy, as with oneDNN. Where
-        the `cpu` attention backend covers the shapes, decode-only steps run a layer per call."""
-        for module in self.modules():
-            if isinstance(module, (RMSNorm, Attention, MLP)):
-                module.kernels = kernels
-            elif isinstance(module, Linear) and kernels.linear_available():
-                module.pack_for_kernels(kernels)
+        """CPU only. fp32: norms, RoPE, the MLP activation and (with AVX-512) the projections in
+        kvserve's C++ kernels; where the `cpu` attention backend covers the shapes, decode-only
+        steps run a layer per call. bf16: the projections only (`linear_bf16`, batch-invariant;
+        oneDNN's bf16 GEMV is 2-3x slower at one row), the rest in torch ops, as transformers
+        runs them: the elementwise kernels and `decode_layer` are fp32 code. A tied lm_head gets
+        its own packed copy, as with oneDNN."""
+        dtype = self.lm_head.weight.dtype
+        if dtype == torch.float32:
+            for module in self.modules():
+                if isinstance(module, (RMSNorm, Attention, MLP)):
+                    module.kernels = kernels
+        if linear_available_for(kernels, dtype):
+            for module in self.modules():
+                if isinstance(module, Linear):
+                    module.pack_for_kernels(kernels)
         attn = self.layers[0].self_attn
-        if kernels.linear_available() and CPUAttention.covers_shape(
-                self.lm_head.weight.dtype, attn.num_heads, attn.num_kv_heads, attn.head_dim):
+        if linear_available_for(kernels, dtype) and CPUAttention.covers_shape(
+                dtype, attn.num_heads, attn.num_kv_heads, attn.head_dim):
             self.decode_kernels = kernels
             self.decode_weights = [layer.decode_weights() for layer in self.layers]
 

@@ -45,13 +45,15 @@ class ThroughputResult:
         return self.output_tokens / self.seconds if self.seconds > 0 else 0.0
 
 
-def load_hf_model(model_dir: Path, attn_implementation: str = "sdpa") -> PreTrainedModel:
-    """Load a local HF checkpoint directory (never the hub) as an fp32 CPU model in eval mode."""
+def load_hf_model(
+    model_dir: Path, attn_implementation: str = "sdpa", dtype: torch.dtype = torch.float32
+) -> PreTrainedModel:
+    """Load a local HF checkpoint directory (never the hub) as a CPU model in eval mode."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
         str(model_dir),
-        dtype=torch.float32,
+        dtype=dtype,
         attn_implementation=attn_implementation,
         local_files_only=True,
     )

@@ -10,6 +10,7 @@ its batch-1 decode and takes the higher reading: decode and bound come from the 
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from typing import Any
@@ -26,7 +27,9 @@ from workers.bench.baselines import (
     weights_read_seconds,
 )
 from workers.config import EngineConfig
+from workers.cpu_kernels import cpu_features
 from workers.engine import LLMEngine
+from workers.model import Linear
 
 
 def make_prompts(vocab_size: int, requests: int, prompt_len: int, seed: int = 0) -> list[list[int]]:
@@ -92,26 +95,39 @@ def run_throughput_bench(
 ) -> dict[str, Any]:
     """`repeats` rounds, each timing every contender in turn; each reports its best round (as
     timeit does: on a shared machine, slow rounds measure the neighbours, not the code). Batch-1
-    numbers come from the round whose decode is closest to its own bandwidth bound."""
+    numbers come from the round whose decode is closest to its own bandwidth bound.
+
+    HF runs in the engine's dtype. A reduced-precision engine on a CPU also gets an fp32 engine
+    beside it (`fp32_*` keys), the exactness reference it must beat."""
     if repeats < 1:
         raise ValueError("repeats must be at least 1")
     say = (lambda msg: print(f"[bench] {msg}", file=sys.stderr, flush=True)) if progress else (
         lambda msg: None)
     engine = LLMEngine(config)
+    fp32 = None
+    if engine.device.type == "cpu" and engine.dtype != torch.float32:
+        fp32 = LLMEngine(dataclasses.replace(config, dtype="float32"))
     prompts = make_prompts(engine.vocab_size, requests, prompt_len)
     say("warming up kvserve")
-    kvserve_throughput(engine, prompts[:2], 4)
-    hf_model = None if skip_hf else load_hf_model(engine.model_path)
+    for e in filter(None, (engine, fp32)):
+        kvserve_throughput(e, prompts[:2], 4)
+    hf_model = None if skip_hf else load_hf_model(engine.model_path, dtype=engine.dtype)
     runs: dict[str, list[float]] = {}
     for round_ in range(1, repeats + 1):
         say(f"round {round_}/{repeats}")
-        for key, value in _one_round(engine, hf_model, prompts, output_len,
+        for key, value in _one_round(engine, fp32, hf_model, prompts, output_len,
                                      hf_sequential_requests, say, progress).items():
             runs.setdefault(key, []).append(value)
     report: dict[str, Any] = {key: max(values) for key, values in runs.items()
-                              if key not in BATCH1_KEYS}
+                              if key not in BATCH1_KEYS and not key.endswith("matmul_share")}
     best = min(range(repeats), key=lambda i: runs["decode_vs_bandwidth_limit"][i])
     report.update({key: runs[key][best] for key in BATCH1_KEYS})  # the best round's, together
+    fastest = max(range(repeats), key=lambda i: runs["kvserve_tok_s"][i])
+    report["matmul_share"] = runs["matmul_share"][fastest]  # of the round reported
+    if fp32 is not None:
+        fastest32 = max(range(repeats), key=lambda i: runs["fp32_kvserve_tok_s"][i])
+        report["fp32_matmul_share"] = runs["fp32_matmul_share"][fastest32]
+        report["speedup_vs_fp32"] = report["kvserve_tok_s"] / report["fp32_kvserve_tok_s"]
     report["weight_bytes_per_step"] = weight_bytes_per_decode_step(engine.model)
     report["runs"] = runs
     if not skip_hf:
@@ -120,15 +136,23 @@ def run_throughput_bench(
             report["kvserve_tok_s"] / report["hf_generate_batch_tok_s"])
     report["config"] = {"requests": requests, "prompt_len": prompt_len, "output_len": output_len,
                         "hf_sequential_requests": hf_sequential_requests, "repeats": repeats,
-                        **vars(engine.info), "torch_threads": torch.get_num_threads()}
+                        **vars(engine.info), "torch_threads": torch.get_num_threads(),
+                        "cpu": cpu_summary() if engine.device.type == "cpu" else None}
     report["summary"] = summarize(report)
     return report
 
 
-def _one_round(engine: LLMEngine, hf_model, prompts: list[list[int]], output_len: int,
-               sequential_requests: int, say, progress: bool) -> dict[str, float]:
-    say(f"kvserve: {len(prompts)} requests x {len(prompts[0])} prompt + {output_len} output")
-    result = {"kvserve_tok_s": kvserve_throughput(engine, prompts, output_len, progress)}
+def _one_round(engine: LLMEngine, fp32: LLMEngine | None, hf_model, prompts: list[list[int]],
+               output_len: int, sequential_requests: int, say, progress: bool
+               ) -> dict[str, float]:
+    say(f"kvserve ({engine.info.dtype}): {len(prompts)} requests x {len(prompts[0])} prompt + "
+        f"{output_len} output")
+    tok_s, share = throughput_and_matmul_share(engine, prompts, output_len, progress)
+    result = {"kvserve_tok_s": tok_s, "matmul_share": share}
+    if fp32 is not None:
+        say("kvserve (float32): the same workload")
+        tok_s, share = throughput_and_matmul_share(fp32, prompts, output_len, progress)
+        result.update({"fp32_kvserve_tok_s": tok_s, "fp32_matmul_share": share})
     say("kvserve: batch-1 decode, memory bandwidth just before and after")
     result.update(batch1_vs_bandwidth(engine, prompts[0], output_len))
     if hf_model is not None:
@@ -140,17 +164,85 @@ def _one_round(engine: LLMEngine, hf_model, prompts: list[list[int]], output_len
     return result
 
 
+def throughput_and_matmul_share(
+    engine: LLMEngine, prompts: list[list[int]], output_len: int, progress: bool = False
+) -> tuple[float, float]:
+    """Output tokens/s, and the share of that run's time its projections alone take.
+
+    Every step's shape (tokens, sampled rows) is recorded during the run; afterwards each
+    distinct shape's projections are timed on their own, layer after layer as the model streams
+    its weights, with the engine's own matmul path (kvserve's kernels, oneDNN or F.linear). The
+    rest of the step (attention, norms, RoPE, sampling, scheduling, Python) is 1 - share: what
+    reduced precision does not shrink."""
+    shapes: list[tuple[int, int]] = []
+    prepare = engine.runner.prepare
+
+    def recording(chunks):
+        inp = prepare(chunks)
+        shapes.append((inp.input_ids.shape[0], inp.logits_rows.shape[0]))
+        return inp
+
+    engine.runner.prepare = recording
+    try:
+        start = time.perf_counter()
+        tok_s = kvserve_throughput(engine, prompts, output_len, progress)
+        seconds = time.perf_counter() - start
+    finally:
+        del engine.runner.prepare  # the bound method again
+    timed = {shape: matmul_seconds(engine.model, *shape) for shape in set(shapes)}
+    return tok_s, min(1.0, sum(timed[s] for s in shapes) / seconds)
+
+
+@torch.inference_mode()
+def matmul_seconds(model: torch.nn.Module, rows: int, sampled: int, repeats: int = 3) -> float:
+    """Seconds for one step's projections at `rows` tokens (`sampled` rows through lm_head),
+    best of `repeats`."""
+    lm_head = model.lm_head
+    linears = [m for m in model.modules() if isinstance(m, Linear) and m is not lm_head]
+    dtype = model.embed_tokens.weight.dtype
+    inputs = {m.in_features: torch.randn(rows, m.in_features).to(dtype) for m in linears}
+    head_in = torch.randn(sampled, lm_head.in_features).to(dtype)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for m in linears:
+            m(inputs[m.in_features])
+        if sampled:
+            lm_head(head_in)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def cpu_summary() -> str:
+    """The CPU's model and the flags that decide its matmul rates."""
+    text = cpu_features()
+    model = next((ln.split(":", 1)[1].strip() for ln in text.splitlines()
+                  if ln.startswith("model name")), "unknown CPU")
+    flags = next((ln.split(":", 1)[1].split() for ln in text.splitlines()
+                  if ln.startswith("flags")), [])
+    wanted = ("avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile", "avx2")
+    return f"{model} [{' '.join(f for f in wanted if f in flags) or 'no AVX-512/AMX'}]"
+
+
 def summarize(r: dict[str, Any]) -> str:
     c = r["config"]
     lines = [
         f"model {c['name']} ({c['dtype']}, {c['device']}, {c['torch_threads']} threads), "
         f"{c['requests']} requests x {c['prompt_len']} prompt + {c['output_len']} output tokens"
         + (f", best of {c['repeats']} rounds" if c["repeats"] > 1 else ""),
-        f"  kvserve engine          {r['kvserve_tok_s']:8.1f} output tok/s",
     ]
+    if c.get("cpu"):
+        lines.append(f"  cpu: {c['cpu']}")
+    lines.append(f"  kvserve {c['dtype']:<16}{r['kvserve_tok_s']:8.1f} output tok/s   "
+                 f"projections alone {r['matmul_share']:.0%} of the time, "
+                 f"the rest {1 - r['matmul_share']:.0%}")
+    if "fp32_kvserve_tok_s" in r:
+        lines.append(f"  kvserve {'float32':<16}{r['fp32_kvserve_tok_s']:8.1f} output tok/s   "
+                     f"projections alone {r['fp32_matmul_share']:.0%} of the time; "
+                     f"{c['dtype']} = {r['speedup_vs_fp32']:.2f}x")
     if "hf_generate_tok_s" in r:
-        for key, label in (("hf_generate_tok_s", "HF generate() one-by-one"),
-                           ("hf_generate_batch_tok_s", "HF generate_batch()")):
+        for key, label in (("hf_generate_tok_s", f"HF generate() {c['dtype']}"),
+                           ("hf_generate_batch_tok_s", f"HF generate_batch() {c['dtype']}")):
             ratio = r["kvserve_tok_s"] / r[key]
             lines.append(f"  {label:<24}{r[key]:8.1f} output tok/s   kvserve = {ratio:.2f}x")
     lines.append(

@@ -1,0 +1,77 @@
+"""bf16 end to end on the CPU: greedy output against transformers in bf16, by vLLM's rule.
+
+The rule (`workers/bench/exactness.py`): where kvserve and transformers first differ, each
+side's token is among the other's top-5 logprobs. Both run bf16 weights, activations and KV
+cache on this CPU; norms and logits in fp32 on both sides. How many prompts match fully is
+printed (run with -s), and a floor on it is asserted: bf16's rounding may part a text at a
+near-tie, but most prompts must not part at all.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers import assert_engine_idle
+from tests.prompts import varied_prompts
+from workers.bench.exactness import (
+    Greedy,
+    compare,
+    engine_greedy,
+    hf_greedy,
+    logprobs_close,
+    summary,
+)
+from workers.config import EngineConfig
+from workers.engine import LLMEngine
+
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def bf16_engine(model_dir) -> LLMEngine:
+    return LLMEngine(EngineConfig(dtype="bfloat16", device="cpu", kv_cache_memory=256 * 1024**2))
+
+
+@pytest.fixture(scope="module")
+def prompts(bf16_engine) -> dict[str, list[int]]:
+    return varied_prompts(bf16_engine.tokenizer)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir, prompts):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16,
+                                              attn_implementation="sdpa").eval()
+    return hf_greedy(hf, prompts, NEW_TOKENS)
+
+
+def test_engine_state_is_bf16(bf16_engine):
+    """Weights, KV cache and host tier in bf16; logits in fp32 (what the sampler reads)."""
+    assert bf16_engine.info.dtype == "bfloat16"
+    assert bf16_engine.model.embed_tokens.weight.dtype == torch.bfloat16
+    k, v = bf16_engine.runner.kv_cache[0]
+    assert k.dtype == v.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("concurrent", [False, True], ids=["alone", "concurrent"])
+def test_greedy_bf16_logprobs_close_to_transformers(bf16_engine, prompts, reference, concurrent):
+    ours = engine_greedy(bf16_engine, prompts, NEW_TOKENS, concurrent)
+    result = summary(compare(ours, reference))
+    print(f"bf16 {'concurrent' if concurrent else 'alone'}: {result['identical']}/"
+          f"{result['prompts']} identical, first differences at {result['first_diffs']}")
+    assert not result["failed"], result["failed"]
+    assert result["identical"] >= result["prompts"] * 3 // 4, result
+    assert_engine_idle(bf16_engine)
+
+
+def test_the_rule_rejects_a_token_neither_side_expected():
+    """Negative control of the rule: a difference where the tokens are not in each other's
+    top-5 fails; one where they are passes; identical outputs pass."""
+    ref = Greedy([1, 2, 3], [{1}, {2, 7}, {3}])
+    assert logprobs_close("same", Greedy([1, 2, 3], [{1}, {2}, {3}]), ref).first_diff is None
+    near = logprobs_close("near", Greedy([1, 7, 9], [{1}, {7, 2}, {9}]), ref)
+    assert near.close and near.first_diff == 1
+    assert not logprobs_close("far", Greedy([1, 8, 3], [{1}, {8, 2}, {3}]), ref).close
+    assert not logprobs_close("one-sided", Greedy([1, 7, 3], [{1}, {7}, {3}]), ref).close
