@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from tests.helpers import assert_engine_idle, solo_ids
 from tests.test_prefix_caching import (
@@ -79,6 +80,78 @@ def test_random_traffic_with_host_tier_keeps_both_ledgers_and_every_output(
     stats = engine.kv_stats()
     assert stats.blocks_swapped_out > 0 and stats.blocks_swapped_in > 0
     assert stats.blocks_offloaded > 0 and stats.blocks_restored > 0, stats
+    assert_engine_idle(engine)
+
+
+class SlowDMAEvent:
+    """A DMA that completes only when someone waits for it: defers every host-tier scatter
+    as long as the copier allows."""
+
+    def __init__(self) -> None:
+        self.done = True
+
+    def record(self, stream: object = None) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.done = True
+
+
+@pytest.mark.parametrize(("chunk_blocks", "max_slots", "slow_dma"),
+                         [(None, 2, False), (None, 16, True), (1, 4, True)])
+def test_cudas_staged_copies_keep_every_output(chunk_blocks, max_slots, slow_dma,
+                                               make_tiny_engine,
+                                               one_torch_thread):
+    """The algorithm the engine runs on CUDA (`KVCopier` staged: chunked, device->host
+    scatters deferred to a later step), here with no-op streams and events on CPU."""
+    from workers.kv_transfer import KVCopier
+
+    rng = random.Random(5)
+    requests = shared_prefix_requests(rng, 4)
+    cfg = {"num_kv_blocks": 9, "block_size": 16, "max_num_seqs": 4, "max_num_batched_tokens": 40}
+    plain = make_tiny_engine(**cfg)
+    engine = make_tiny_engine(**cfg, num_host_kv_blocks=12, enable_prefix_caching=True)
+    runner = engine.runner
+    runner.copier = KVCopier(runner.kv_cache, runner.host_kv_cache, staged=True,
+                             chunk_blocks=chunk_blocks, max_slots=max_slots)
+    if slow_dma:
+        new_slot = runner.copier._new_slot
+
+        def slot_with_slow_dma(n: int):
+            slot = new_slot(n)
+            slot.event = SlowDMAEvent()
+            return slot
+
+        runner.copier._new_slot = slot_with_slow_dma
+    # the tiny model's tokens barely depend on its KV: check the blocks themselves. Each block
+    # copied to the device holds what was last copied into its host block.
+    shadow: dict[int, list[torch.Tensor]] = {}
+    staged_copy = runner.copier.copy
+
+    def block(b: int) -> list[torch.Tensor]:
+        return [t[b].clone() for kv in runner.kv_cache for t in kv]
+
+    def checked_copy(plan) -> None:
+        shadow.update({h: block(d) for d, h in plan.to_host})
+        staged_copy(plan)
+        for h, d in plan.to_device:
+            assert all(map(torch.equal, block(d), shadow[h])), (h, d)
+
+    runner.copier.copy = checked_copy
+    expected = {r["request_id"]: solo_ids(plain, **r) for r in requests}
+
+    def check(e: LLMEngine) -> None:
+        check_cache_ledger(e)
+        check_host_ledger(e)
+
+    drive_random_traffic(engine, requests, expected, rng, check)
+    stats = engine.kv_stats()
+    assert stats.blocks_swapped_out > 0 and stats.blocks_swapped_in > 0
+    assert stats.blocks_offloaded > 0 and stats.blocks_restored > 0, stats
+    assert runner.copier.slots  # the staged path ran
     assert_engine_idle(engine)
 
 

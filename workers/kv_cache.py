@@ -42,14 +42,14 @@ def allocate_kv_cache(
 
 
 def copy_blocks(src: KVCache, src_ids: list[int], dst: KVCache, dst_ids: list[int]) -> None:
-    """dst[dst_ids] = src[src_ids] in every layer: one gather and one scatter per tensor."""
+    """dst[dst_ids] = src[src_ids] in every layer: one gather and one scatter per tensor.
+    Synchronous: the CPU path. On CUDA the runner's `KVCopier` (workers/kv_transfer.py) runs the
+    copies asynchronously on a side stream instead."""
     if not src_ids:
         return
     src_index = torch.tensor(src_ids, device=src[0][0].device)
     dst_index = torch.tensor(dst_ids, device=dst[0][0].device)
     for src_kv, dst_kv in zip(src, dst, strict=True):
         for s, d in zip(src_kv, dst_kv, strict=True):
-            # blocks: [n, block_size, kv_heads, head_dim]; device->host must finish before the
-            # host tensor is written, so only host->device copies are asynchronous
-            blocks = s.index_select(0, src_index).to(d.device, non_blocking=d.is_cuda)
+            blocks = s.index_select(0, src_index).to(d.device)  # [n, block_size, heads, dim]
             d.index_copy_(0, dst_index, blocks)

@@ -8,8 +8,9 @@ import torch
 
 from workers.attention import AttentionMetadata
 from workers.attention import metadata as attention_metadata
-from workers.kv_cache import KVCacheSpec, allocate_kv_cache, copy_blocks
+from workers.kv_cache import KVCacheSpec, allocate_kv_cache
 from workers.kv_events import KVCopyPlan
+from workers.kv_transfer import KVCopier
 from workers.model import CausalLM
 from workers.rope import RotaryEmbedding
 from workers.scheduler import ScheduledChunk
@@ -36,6 +37,8 @@ class ModelRunner:
         self.kv_cache = allocate_kv_cache(spec, num_blocks, device)
         self.host_kv_cache = allocate_kv_cache(
             spec, num_host_blocks, torch.device("cpu"), pin_memory=device.type == "cuda")
+        # on CUDA: a side stream and pinned staging, ordered by events (workers/kv_transfer.py)
+        self.copier = KVCopier(self.kv_cache, self.host_kv_cache)
         self.rope = rope
         self.backend = backend
         self.device = device
@@ -43,11 +46,10 @@ class ModelRunner:
     @torch.inference_mode()
     def copy(self, plan: KVCopyPlan) -> None:
         """Run a step's KV copies: device->host first (their device blocks may be reused by
-        this step), then host->device."""
-        copy_blocks(self.kv_cache, [d for d, _ in plan.to_host],
-                    self.host_kv_cache, [h for _, h in plan.to_host])
-        copy_blocks(self.host_kv_cache, [h for h, _ in plan.to_device],
-                    self.kv_cache, [d for _, d in plan.to_device])
+        this step), then host->device. On CUDA they are asynchronous; the model's stream (the
+        current one) waits for them on the device, and device->host data reaches
+        `host_kv_cache` later (`self.copier.flush()` before reading it directly)."""
+        self.copier.copy(plan)
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, list[ScheduledChunk]]:
