@@ -380,12 +380,18 @@ def test_every_provider_needs_blocks_of_256():
         required_block_multiple("xformers")
 
 
-def test_engine_block_size_follows_the_provider_rule():
-    assert _resolve_block_size(None, "flash_attn") == required_block_multiple()
-    assert _resolve_block_size(512, "flash_attn") == 512
+def test_engine_block_size_and_dtype_follow_the_provider_rule():
+    """Checked when the engine is built: a replica with a wrong setting does not start."""
+    flash = FlashAttention(reference_provider(TORCH_VARLEN, dtypes=ref.KERNEL_DTYPES,
+                                              page_multiple=256))
+    bf16 = torch.bfloat16
+    assert _resolve_block_size(None, flash, bf16) == 256
+    assert _resolve_block_size(512, flash, bf16) == 512
     with pytest.raises(ValueError, match="multiple of 256"):
-        _resolve_block_size(16, "flash_attn")
-    assert _resolve_block_size(None, "torch") == 16
+        _resolve_block_size(16, flash, bf16)
+    with pytest.raises(ValueError, match="not dtype float32"):
+        _resolve_block_size(None, flash, torch.float32)
+    assert _resolve_block_size(None, TorchAttention(), torch.float32) == 16
 
 
 @pytest.mark.skipif(default_provider_name() is not None, reason="a flash provider is here")

@@ -12,8 +12,7 @@ from typing import Any
 
 import torch
 
-from workers.attention import make_backend, resolve_backend_name
-from workers.attention.flash_backend import default_provider_name, required_block_multiple
+from workers.attention import PagedAttention, make_backend, resolve_backend_name
 from workers.block_manager import BlockManager
 from workers.config import EngineConfig
 from workers.cpu_kernels import load_cpu_kernels
@@ -78,7 +77,7 @@ class LLMEngine:
         backend = make_backend(resolve_backend_name(config.attention_backend, self.device),
                                attention_kernels)
         backend_name = backend.name
-        block_size = _resolve_block_size(config.block_size, backend_name)
+        block_size = _resolve_block_size(config.block_size, backend, self.dtype)
         spec = _kv_spec(ckpt.config, block_size, self.dtype)
         num_blocks = config.num_kv_blocks or spec.num_blocks_for(_kv_budget(config, self.device))
         if num_blocks < 1:
@@ -329,16 +328,22 @@ def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return dtype
 
 
-def _resolve_block_size(block_size: int | None, backend: str) -> int:
-    """flash_attn: a multiple of what its kernel provider's paged cache accepts (the provider
-    `make_backend` picked: the same choice, `default_provider_name()`)."""
-    if backend == "flash_attn":
-        provider = default_provider_name()
-        multiple = required_block_multiple(provider)
-        block_size = block_size or multiple
-        if block_size % multiple:
-            raise ValueError(f"flash_attn ({provider}) needs block_size a multiple of {multiple}")
-    return block_size or 16
+def _resolve_block_size(block_size: int | None, backend: PagedAttention,
+                        dtype: torch.dtype) -> int:
+    """What the backend's kernels accept: flash_attn's paged cache needs a multiple of its
+    provider's page size (256), and bf16/fp16. Checked here, so a wrong setting stops the
+    engine (and a replica's start) instead of its first request."""
+    multiple = getattr(backend, "block_multiple", 1)
+    dtypes = getattr(getattr(backend, "provider", None), "dtypes", None)
+    if dtypes is not None and dtype not in dtypes:
+        names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise ValueError(f"attention_backend {backend.name} ({backend.kernel_name}) runs "
+                         f"{names}, not dtype {str(dtype).removeprefix('torch.')}")
+    block_size = block_size or (multiple if multiple > 1 else 16)
+    if block_size % multiple:
+        raise ValueError(f"attention_backend {backend.name} ({backend.kernel_name}) needs "
+                         f"block_size a multiple of {multiple}, not {block_size}")
+    return block_size
 
 
 def _cpu_kernels(device: torch.device, dtype: torch.dtype) -> ModuleType | None:
