@@ -76,3 +76,41 @@ def test_the_rule_rejects_a_token_neither_side_expected():
     assert near.close and near.first_diff == 1
     assert not logprobs_close("far", Greedy([1, 8, 3], [{1}, {8, 2}, {3}]), ref).close
     assert not logprobs_close("one-sided", Greedy([1, 7, 3], [{1}, {7}, {3}]), ref).close
+
+
+def _tiny_comparison(dtype: str, concurrent: bool, **engine_config) -> dict:
+    """A tiny Llama (GQA, chunked prefill, concurrent decodes) in `dtype` against transformers
+    in the same dtype. initializer_range 0.3: at the default init a random model's logits are
+    nearly flat, every token a near-tie, and the rule could not tell anything apart."""
+    from transformers import AutoModelForCausalLM
+
+    from workers.tiny import tiny_checkpoint
+
+    ckpt = tiny_checkpoint("llama", initializer_range=0.3)
+    engine = LLMEngine(EngineConfig(dtype=dtype, device="cpu", kv_cache_memory=4 * 1024**2,
+                                    max_num_batched_tokens=64, **engine_config), checkpoint=ckpt)
+    hf = AutoModelForCausalLM.from_config(ckpt.config, dtype=getattr(torch, dtype))
+    hf.load_state_dict(ckpt.tensors)
+    gen = torch.Generator().manual_seed(0)
+    prompts = {f"p{n}": torch.randint(100, 40000, (n,), generator=gen).tolist()
+               for n in (3, 17, 40, 150)}
+    result = summary(compare(engine_greedy(engine, prompts, 16, concurrent),
+                             hf_greedy(hf.eval(), prompts, 16)))
+    assert_engine_idle(engine)
+    assert engine.runner.kv_cache[0][0].dtype == getattr(torch, dtype)
+    return result
+
+
+@pytest.mark.parametrize("concurrent", [False, True], ids=["alone", "concurrent"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_tiny_model_in_reduced_precision_follows_transformers(dtype, concurrent,
+                                                              one_torch_thread):
+    result = _tiny_comparison(dtype, concurrent)
+    assert not result["failed"], result
+
+
+def test_a_wrong_model_fails_the_rule(one_torch_thread):
+    """Negative control on a model: RoPE scaled on our side only (linear x4) breaks it."""
+    result = _tiny_comparison("bfloat16", False,
+                              rope_parameters={"rope_type": "linear", "factor": 4.0})
+    assert len(result["failed"]) >= 2, result
