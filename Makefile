@@ -11,7 +11,7 @@ PROMPT ?= Explain in two sentences what a KV cache is.
 
 GRPC_PORT ?= 50051
 
-.PHONY: install run generate test lint bench proto clean
+.PHONY: install run generate test lint bench proto clean gpu-check
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -41,6 +41,12 @@ proto: $(STAMP)  ## regenerate kvserve/v1/ stubs from proto/
 
 bench: $(STAMP)
 	$(BIN)/kvserve bench throughput
+
+# No $(STAMP): on a lent GPU machine this runs with the system python and its torch (no venv,
+# no network); see results/README.md. Override GPU_CHECK_OUT to write elsewhere.
+GPU_CHECK_OUT ?= results/gpu-check-$(shell date -u +%Y%m%dT%H%M%SZ).json
+gpu-check:  ## the one device check (workers/gpu_check.py): tests, exactness, kernels, throughput
+	$(PYTHON) -m workers.gpu_check --out $(GPU_CHECK_OUT)
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,119 @@
+"""workers/gpu_check.py, the one device check: its --dry-run (the same code on the CPU with tiny
+shapes) runs here in CI, so the script cannot rot between the rare runs on a GPU machine."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from workers import gpu_check
+from workers.gpu_check import SECTIONS, Context, Report, Skip
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory) -> tuple[dict, subprocess.CompletedProcess]:
+    out = tmp_path_factory.mktemp("gpu_check") / "results.json"
+    proc = subprocess.run([sys.executable, "-m", "workers.gpu_check", "--dry-run", "--out",
+                           str(out)], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert out.exists(), proc.stderr[-3000:]
+    return json.loads(out.read_text()), proc
+
+
+def test_dry_run_reports_every_section_ok_or_skipped_with_a_reason(dry_run):
+    report, proc = dry_run
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert report["dry_run"] is True and report["date"] and report["finished"]
+    env = report["environment"]
+    assert {"torch", "transformers", "cuda", "device", "python"} <= set(env)
+    assert list(report["sections"]) == list(SECTIONS)
+    for name, section in report["sections"].items():
+        assert section["status"] in ("ok", "skipped"), (name, section)
+        if section["status"] == "skipped":
+            assert section["reason"], name
+        assert section["seconds"] >= 0
+    assert report["sections"]["flash_checks"] == {
+        "status": "skipped", "reason": "no CUDA", "result": {},
+        "seconds": report["sections"]["flash_checks"]["seconds"]}
+
+
+def test_dry_run_numbers_are_sensible(dry_run):
+    sections = dry_run[0]["sections"]
+    tests = sections["gpu_tests"]["result"]
+    assert "tests/test_flash_backend.py" in tests["files"]
+    assert tests["counts"].get("skipped", 0) > 0 and not tests["counts"].get("failed")
+    models = sections["exactness"]["result"]["models"]
+    assert len(models) == 2
+    for result in models.values():
+        for key in ("control_hf_eager_vs_sdpa", "torch"):
+            for summary in ([result[key]] if key.startswith("control") else
+                            [result[key][m] for m in ("alone", "concurrent",
+                                                      "concurrent_vs_alone")]):
+                assert {"prompts", "identical", "close", "failed", "first_diffs"} <= set(summary)
+                assert summary["prompts"] == 3
+        assert result["flash_attn"] == {"skipped": "no CUDA"}
+        assert result["all_close"] is True
+    bench = sections["throughput"]["result"]
+    run = bench["runs"]["4"]
+    assert run["kvserve"]["tok_s"] > 0 and not run["kvserve"]["truncated"]
+    assert run["kvserve"]["tokens"] == run["kvserve"]["expected_tokens"]
+    assert run["hf_generate_batch"]["tok_s"] > 0 and run["kvserve_vs_hf"] > 0
+    batch1 = bench["batch1"]
+    assert batch1["decode_ms_per_token"] > 0 and batch1["copy_bandwidth_bytes_per_s"] > 0
+    assert batch1["decode_vs_spec_bound"] > 0
+    assert bench["step_breakdown"]["step_ms"] > 0
+
+
+def _context(tmp_path: Path, caps: dict[str, float]) -> Context:
+    plan = dataclasses.replace(gpu_check.dry_run_plan(), section_caps_s=caps)
+    report = Report(tmp_path / "r.json", {"check": "test"})
+    return Context(plan, report, time.monotonic() + 60)
+
+
+def test_a_failing_section_is_recorded_and_the_rest_still_run(tmp_path):
+    def fails(ctx, out):
+        out["measured"] = 1  # what it measured before failing stays
+        raise RuntimeError("boom")
+
+    def skips(ctx, out):
+        raise Skip("no CUDA")
+
+    def hangs(ctx, out):
+        time.sleep(30)
+
+    def works(ctx, out):
+        out["value"] = 2
+
+    ctx = _context(tmp_path, {"hangs": 1})
+    clean = gpu_check.run_sections(ctx, {"fails": fails, "skips": skips, "hangs": hangs,
+                                         "works": works})
+    assert not clean
+    sections = json.loads((tmp_path / "r.json").read_text())["sections"]
+    assert sections["fails"]["status"] == "error"
+    assert "boom" in sections["fails"]["error"] and "RuntimeError" in sections["fails"]["traceback"]
+    assert sections["fails"]["result"] == {"measured": 1}
+    assert sections["skips"]["status"] == "skipped" and sections["skips"]["reason"] == "no CUDA"
+    assert sections["hangs"]["status"] == "timeout" and sections["hangs"]["seconds"] < 5
+    assert sections["works"] == {"status": "ok", "result": {"value": 2},
+                                 "seconds": sections["works"]["seconds"]}
+
+
+def test_pytest_counts_reads_the_summary_line():
+    text = "....F\n=== short test summary ===\nFAILED x\n1 failed, 4 passed, 2 skipped in 3.1s\n"
+    assert gpu_check.pytest_counts(text) == {"failed": 1, "passed": 4, "skipped": 2}
+    assert gpu_check.pytest_counts("2 errors, 1 warning in 0.5s") == {"error": 2, "warning": 1}
+    assert gpu_check.pytest_counts("no summary") == {}
+
+
+def test_sections_option_validates_names():
+    assert gpu_check.parse_args(["--sections", "throughput,exactness"]).sections == [
+        "throughput", "exactness"]
+    with pytest.raises(SystemExit):
+        gpu_check.parse_args(["--sections", "nope"])
