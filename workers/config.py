@@ -6,6 +6,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: float32 on CPU, bfloat16 on CUDA
+
 _SIZE = re.compile(r"^\s*([0-9.]+)\s*([KMGT]?)(i?B?)\s*$", re.IGNORECASE)
 
 

@@ -14,7 +14,7 @@ import torch
 
 from workers.attention import PagedAttention, make_backend, resolve_backend_name
 from workers.block_manager import BlockManager
-from workers.config import EngineConfig
+from workers.config import DTYPES, EngineConfig
 from workers.cpu_kernels import load_cpu_kernels
 from workers.detokenizer import IncrementalDetokenizer
 from workers.errors import InvalidRequestError
@@ -320,12 +320,11 @@ def _resolve_device(name: str) -> torch.device:
 
 
 def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {name!r}")
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r} (float32, bfloat16, float16)")
-    return dtype
+    return getattr(torch, name)
 
 
 def _resolve_block_size(block_size: int | None, backend: PagedAttention,
