@@ -18,6 +18,7 @@ from workers.cpu_kernels import (
     build_dir_name,
     clear_stale_lock,
     cpu_features,
+    elementwise_available_for,
     load_cpu_kernels,
 )
 from workers.model import RMSNorm
@@ -77,13 +78,44 @@ def test_a_sequence_reads_only_its_own_blocks(cpu_backend):
     assert torch.equal(cpu_backend.decode(q, k_cache, v_cache, meta, 0.125), before)
 
 
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (32, 8, 128)])
+@pytest.mark.parametrize("lengths", [[1], [17, 1, 300, 33], [250] * 8])
+def test_bf16_kernel_is_the_fp32_attention_rounded_once(cpu_backend, heads, kv_heads, head_dim,
+                                                        lengths):
+    """bf16 q and caches, computed in fp32: within one bf16 rounding (2^-9 relative; 2^-8 here)
+    of the fp32 attention over the same bf16 values, and close to the torch backend's bf16 SDPA
+    (which rounds its probabilities to bf16, so it is the farther of the two from fp32)."""
+    q, k_cache, v_cache, meta = _decode_batch(lengths, heads, kv_heads, head_dim,
+                                              dtype=torch.bfloat16)
+    assert CPUAttention.covers(q, k_cache)
+    scale = head_dim**-0.5
+    got = cpu_backend.decode(q, k_cache, v_cache, meta, scale)
+    assert got.dtype == torch.bfloat16 and got.shape == (len(lengths), heads, head_dim)
+    fp32 = TorchAttention().decode(q.float(), k_cache.float(), v_cache.float(), meta, scale)
+    torch.testing.assert_close(got.float(), fp32, rtol=2.0**-8, atol=1e-5)
+    torch.testing.assert_close(got, TorchAttention().decode(q, k_cache, v_cache, meta, scale),
+                               rtol=1.6e-2, atol=1e-2)
+
+
+def test_a_bf16_sequence_reads_only_its_own_blocks(cpu_backend):
+    q, k_cache, v_cache, meta = _decode_batch([40, 7], 9, 3, 64, dtype=torch.bfloat16)
+    before = cpu_backend.decode(q, k_cache, v_cache, meta, 0.125)
+    used = set(meta.decode_block_tables[0, :3].tolist()) | {meta.decode_block_tables[1, 0].item()}
+    others = [b for b in range(k_cache.shape[0]) if b not in used]
+    k_cache[others] = 1e4
+    v_cache[others] = -1e4
+    assert torch.equal(cpu_backend.decode(q, k_cache, v_cache, meta, 0.125), before)
+
+
 def test_uncovered_dtypes_and_shapes_take_the_torch_path(cpu_backend):
-    q, k_cache, v_cache, meta = _decode_batch([20, 5], 9, 3, 64, dtype=torch.bfloat16)
+    q, k_cache, v_cache, meta = _decode_batch([20, 5], 9, 3, 64, dtype=torch.float16)
     assert not CPUAttention.covers(q, k_cache)
     got = cpu_backend.decode(q, k_cache, v_cache, meta, 0.125)
     assert torch.equal(got, TorchAttention().decode(q, k_cache, v_cache, meta, 0.125))
     q, k_cache, *_ = _decode_batch([20], 9, 3, 96)
     assert not CPUAttention.covers(q, k_cache)
+    q, k_cache, *_ = _decode_batch([20], 9, 3, 64)
+    assert not CPUAttention.covers(q.bfloat16(), k_cache)  # mixed dtypes
 
 
 def test_auto_picks_the_cpu_backend_on_a_cpu():
@@ -144,18 +176,82 @@ def test_rotary_in_place_equals_transformers_rotation(cpu_kernels, rows):
     assert torch.equal(qkv[:, heads + kv_heads :], v), "v must stay as it is"
 
 
-def test_engine_uses_the_elementwise_kernels_only_for_fp32_on_cpu(make_tiny_engine, cpu_kernels):
-    """bf16 takes only the projections (`linear_bf16`); norms, RoPE, the activation and
-    attention run torch's ops, as transformers does; fp16 takes none of the kernels."""
+# bf16: the kernels round where transformers' bf16 ops round; on a CPU where torch runs its
+# AVX-512 kernels (the Sleef exp SiLU uses) they equal torch's bf16 ops bit for bit
+
+
+@pytest.fixture(scope="module")
+def bf16_elementwise(cpu_kernels):
+    if not elementwise_available_for(cpu_kernels, torch.bfloat16):
+        pytest.skip("the bf16 elementwise kernels need an AVX-512 build")
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        pytest.skip("bit-identical to torch where torch runs its AVX-512 kernels")
+    return cpu_kernels
+
+
+@pytest.mark.parametrize("hidden", [576, 2048, 100, 17, 8])  # 100, 17: scalar tails of the sum
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_bf16_rms_norm_is_the_torch_norm_bit_for_bit(bf16_elementwise, hidden, rows):
+    """fp32 sum of squares in torch's own order, then bf16(x * rsqrt), then bf16(weight * that)."""
+    gen = torch.Generator().manual_seed(hidden + rows)
+    norm = RMSNorm(hidden, 1e-5).to(torch.bfloat16)
+    norm.weight.copy_(torch.randn(hidden, generator=gen))
+    x = (torch.randn(rows + 2, hidden, generator=gen) * 3).bfloat16()[:rows]  # strided rows
+    expected = norm(x)
+    norm.kernels = bf16_elementwise
+    got = norm(x)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, expected)
+
+
+@pytest.mark.parametrize(("inter", "rows"), [(1536, 1), (1536, 40), (8192, 5), (100, 7)])
+def test_bf16_silu_and_mul_is_torch_bit_for_bit(bf16_elementwise, inter, rows):
+    """bf16(bf16(silu(gate)) * up); inter 100: torch's scalar tail (std::exp) past 96."""
+    gen = torch.Generator().manual_seed(inter + rows)
+    gate_up = (torch.randn(rows + 3, 2 * inter, generator=gen) * 4).bfloat16()[:rows]
+    gate, up = gate_up.split(inter, dim=-1)
+    assert torch.equal(bf16_elementwise.silu_and_mul(gate_up), F.silu(gate) * up)
+
+
+def test_bf16_silu_equals_torch_for_every_bf16_value(bf16_elementwise):
+    """Every finite bf16 gate (up = 1): the exp and the division are torch's, not just close."""
+    every = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    gate = every[torch.isfinite(every)]
+    gate = gate[: gate.numel() // 1536 * 1536].view(-1, 1536)
+    got = bf16_elementwise.silu_and_mul(torch.cat([gate, torch.ones_like(gate)], -1))
+    assert torch.equal(got, F.silu(gate))
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 40])  # 40: the scalar tail of a half
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_bf16_rotary_is_the_torch_rotation_bit_for_bit(bf16_elementwise, head_dim, rows):
+    """bf16(bf16(x * cos) + bf16(rotate_half(x) * sin)), cos and sin in bf16 (as transformers)."""
+    heads, kv_heads = 9, 3
+    gen = torch.Generator().manual_seed(head_dim + rows)
+    qkv = torch.randn(rows, heads + 2 * kv_heads, head_dim, generator=gen).bfloat16()
+    angles = torch.rand(rows, head_dim // 2, generator=gen) * 100
+    cos = torch.cat([angles.cos()] * 2, -1).bfloat16()
+    sin = torch.cat([angles.sin()] * 2, -1).bfloat16()
+    expected = rotate(qkv[:, : heads + kv_heads], cos, sin)
+    v = qkv[:, heads + kv_heads :].clone()
+    bf16_elementwise.rotary_(qkv, heads + kv_heads, cos, sin)
+    assert torch.equal(qkv[:, : heads + kv_heads], expected)
+    assert torch.equal(qkv[:, heads + kv_heads :], v), "v must stay as it is"
+
+
+def test_engine_uses_the_kernels_for_fp32_and_bf16_on_cpu(make_tiny_engine, cpu_kernels):
+    """fp32 and bf16 (AVX-512 builds) take the elementwise kernels and the `cpu` attention
+    backend; fp16 takes none of the kernels."""
     fp32 = make_tiny_engine()
     assert fp32.model.layers[0].mlp.kernels is not None
     assert fp32.model.norm.kernels is not None
     bf16 = make_tiny_engine(dtype="bfloat16")
-    assert bf16.model.layers[0].mlp.kernels is None
-    assert bf16.info.attention_backend == "torch"
+    assert bf16.info.attention_backend == "cpu"
     if cpu_kernels.bf16_linear_available():
+        assert bf16.model.layers[0].mlp.kernels is cpu_kernels
+        assert bf16.model.norm.kernels is cpu_kernels
         assert bf16.model.layers[0].mlp.down_proj.kernel is cpu_kernels.linear_bf16
     fp16 = make_tiny_engine(dtype="float16")
+    assert fp16.model.layers[0].mlp.kernels is None
     assert fp16.model.layers[0].mlp.down_proj.kernel is None
     assert fp16.info.attention_backend == "torch"
 
@@ -165,9 +261,17 @@ def test_kernels_refuse_what_they_do_not_cover(cpu_kernels):
         cpu_kernels.rms_norm(torch.randn(2, 8, dtype=torch.float64), torch.ones(8), 1e-5)
     with pytest.raises(RuntimeError, match="rotary_"):
         cpu_kernels.rotary_(torch.randn(2, 3, 64), 3, torch.ones(1, 64), torch.ones(1, 64))
+    with pytest.raises(RuntimeError, match="weight"):  # bf16 x, fp32 weight
+        cpu_kernels.rms_norm(torch.randn(2, 8).bfloat16(), torch.ones(8), 1e-5)
+    with pytest.raises(RuntimeError, match="cos, sin"):  # bf16 x, fp32 cos and sin
+        cpu_kernels.rotary_(torch.randn(2, 3, 64).bfloat16(), 3, torch.ones(2, 64),
+                            torch.ones(2, 64))
     q, k_cache, v_cache, meta = _decode_batch([5, 9], 9, 3, 64)
     with pytest.raises(RuntimeError, match="one block table"):
         cpu_kernels.paged_decode(q, k_cache, v_cache, meta.decode_block_tables[:1],
+                                 meta.decode_context_lens, 0.125)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        cpu_kernels.paged_decode(q.bfloat16(), k_cache, v_cache, meta.decode_block_tables,
                                  meta.decode_context_lens, 0.125)
     too_long = meta.decode_context_lens + 16 * meta.decode_block_tables.shape[1]
     with pytest.raises(RuntimeError, match="attends to"):

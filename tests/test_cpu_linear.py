@@ -13,7 +13,7 @@ from workers.bench.baselines import (
     weight_bytes_per_decode_step,
     weights_read_seconds,
 )
-from workers.cpu_kernels import linear_available_for
+from workers.cpu_kernels import elementwise_available_for, linear_available_for
 from workers.engine import _build_model
 from workers.model import Linear
 from workers.tiny import tiny_checkpoint
@@ -89,13 +89,13 @@ def test_linear_module_packs_for_the_kernels(kernels):
 COVERED = {"head_dim": 64, "num_attention_heads": 4, "num_key_value_heads": 2}
 
 
-def _decode_step(model, lengths: list[int], block_size: int = 16):
-    """A decode-only step over random caches: (input_ids, cos, sin, kv_cache, meta)."""
+def _decode_step(model, lengths: list[int], block_size: int = 16, dtype=torch.float32):
+    """A decode-only step over random caches of `dtype`: (input_ids, cos, sin, kv_cache, meta)."""
     gen = torch.Generator().manual_seed(len(lengths))
     cfg, layers = model.config, len(model.layers)
     shape = (64, block_size, cfg.num_key_value_heads, 64)
-    kv_cache = [(torch.randn(shape, generator=gen), torch.randn(shape, generator=gen))
-                for _ in range(layers)]
+    kv_cache = [(torch.randn(shape, generator=gen).to(dtype),
+                 torch.randn(shape, generator=gen).to(dtype)) for _ in range(layers)]
     pool = torch.randperm(64, generator=gen).tolist()
     tables = [[pool.pop() for _ in range(-(-n // block_size))] for n in lengths]
     slots = [t[(n - 1) // block_size] * block_size + (n - 1) % block_size
@@ -106,7 +106,7 @@ def _decode_step(model, lengths: list[int], block_size: int = 16):
     angles = torch.rand(len(lengths), 32, generator=gen) * 50
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
     ids = torch.randint(100, cfg.vocab_size, (len(lengths),), generator=gen)
-    return ids, cos, sin, kv_cache, meta
+    return ids, cos.to(dtype), sin.to(dtype), kv_cache, meta
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])  # qwen2: q/k/v biases
@@ -122,6 +122,26 @@ def test_decode_layer_is_bit_identical_to_the_python_layers(kernels, model_type)
         model.decode_kernels = None  # the Python layers, same kernels op by op
         python = model(ids, cos, sin, kv_cache, meta, backend)
     assert torch.equal(fused, python)
+    for (fk, fv), (k, v) in zip(fused_cache, kv_cache, strict=True):
+        assert torch.equal(fk, k) and torch.equal(fv, v), "the same K/V written to the cache"
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_bf16_decode_layer_is_bit_identical_to_the_python_layers(bf16_kernels, model_type):
+    """bf16 weights (`linear_bf16` panels), activations, caches and cos/sin: the one-call layer
+    and the Python layers run the same bf16 kernels in the same order."""
+    model = _build_model(tiny_checkpoint(model_type, **COVERED), torch.device("cpu"),
+                         torch.bfloat16, bf16_kernels)
+    assert model.decode_kernels is bf16_kernels
+    assert model.layers[0].mlp.kernels is bf16_kernels
+    backend = make_backend("cpu", bf16_kernels)
+    ids, cos, sin, kv_cache, meta = _decode_step(model, [1, 17, 40, 16], dtype=torch.bfloat16)
+    fused_cache = [(k.clone(), v.clone()) for k, v in kv_cache]
+    with torch.inference_mode():
+        fused = model(ids, cos, sin, fused_cache, meta, backend)
+        model.decode_kernels = None  # the Python layers, same kernels op by op
+        python = model(ids, cos, sin, kv_cache, meta, backend)
+    assert fused.dtype == torch.bfloat16 and torch.equal(fused, python)
     for (fk, fv), (k, v) in zip(fused_cache, kv_cache, strict=True):
         assert torch.equal(fk, k) and torch.equal(fv, v), "the same K/V written to the cache"
 
@@ -265,3 +285,8 @@ def test_linear_available_for_names_the_dtypes_with_a_kernel(cpu_kernels):
             == cpu_kernels.bf16_linear_available())
     assert not linear_available_for(cpu_kernels, torch.float16)
     assert not linear_available_for(None, torch.float32)
+    assert elementwise_available_for(cpu_kernels, torch.float32)
+    assert (elementwise_available_for(cpu_kernels, torch.bfloat16)
+            == cpu_kernels.bf16_linear_available())  # the bf16 kernels need AVX-512 too
+    assert not elementwise_available_for(cpu_kernels, torch.float16)
+    assert not elementwise_available_for(None, torch.float32)

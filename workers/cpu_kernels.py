@@ -6,15 +6,17 @@
   multiply-adds, bf16 out (`bf16_linear_available()`; `linear_available_for` asks per dtype).
 - `decode_layer`: a whole decoder layer of a decode-only step in one call, over the kernels here.
 - `paged_decode`: decode attention read in place through the block table (the `cpu` attention
-  backend, `workers/attention/cpu_backend.py`).
+  backend, `workers/attention/cpu_backend.py`), fp32 or bf16 (computed in fp32).
 - `rms_norm`, `silu_and_mul`, `rotary_`: the decoder layer's elementwise work, one pass each
   instead of 2-6 torch ops. In a decode step of 32 sequences those small ops, each on a few
-  thousand floats with cold caches after a matmul, cost ~25 % of the step on this CPU.
+  thousand floats with cold caches after a matmul, cost ~25 % of the step on this CPU. In bf16
+  (AVX-512 builds) they round where transformers' bf16 ops round, and equal them bit for bit.
 
 They are compiled with the machine's C++ compiler by `torch.utils.cpp_extension` (~40 s, once per
 torch version and CPU type, cached under kvserve's cache directory). Where that fails the engine
-runs the torch ops instead, with one warning. Results differ from torch's only in the order of float
-sums (vectorized reductions, fused multiply-adds): the greedy exactness suite meets no near-tie.
+runs the torch ops instead, with one warning. fp32 results differ from torch's only in the order of
+float sums (vectorized reductions, fused multiply-adds): the greedy exactness suite meets no
+near-tie.
 """
 
 from __future__ import annotations
@@ -74,6 +76,15 @@ def linear_available_for(kernels: ModuleType | None, dtype: torch.dtype) -> bool
     if dtype == torch.bfloat16:
         return bool(kernels.bf16_linear_available())
     return False
+
+
+def elementwise_available_for(kernels: ModuleType | None, dtype: torch.dtype) -> bool:
+    """Whether `kernels` runs `rms_norm`, `rotary_` and `silu_and_mul` (so `decode_layer`'s
+    elementwise work) in `dtype`: fp32 always, bf16 in AVX-512 builds (those with `linear_bf16`)."""
+    if kernels is None:
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16
+                                      and bool(kernels.bf16_linear_available()))
 
 
 def build_dir_name(torch_version: str, features: str) -> str:

@@ -72,8 +72,8 @@ class LLMEngine:
         self.max_model_len = _max_model_len(config, ckpt.config)
         cpu_kernels = _cpu_kernels(self.device, self.dtype)
         self.model = _build_model(ckpt, self.device, self.dtype, cpu_kernels)
-        # the decode attention kernel is fp32 code: other dtypes take the torch backend
-        attention_kernels = cpu_kernels if self.dtype == torch.float32 else None
+        # the decode attention kernel runs fp32 and bf16: other dtypes take the torch backend
+        attention_kernels = cpu_kernels if self.dtype in (torch.float32, torch.bfloat16) else None
         backend = make_backend(resolve_backend_name(config.attention_backend, self.device),
                                attention_kernels)
         backend_name = backend.name

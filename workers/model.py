@@ -17,7 +17,7 @@ from transformers import PretrainedConfig
 
 from workers.attention import AttentionMetadata
 from workers.attention.cpu_backend import CPUAttention
-from workers.cpu_kernels import linear_available_for
+from workers.cpu_kernels import elementwise_available_for, linear_available_for
 from workers.rope import rotate
 
 
@@ -89,7 +89,7 @@ class Linear(nn.Linear):
 
 
 class RMSNorm(nn.Module):
-    kernels: ModuleType | None = None  # workers.cpu_kernels, on fp32 CPUs
+    kernels: ModuleType | None = None  # workers.cpu_kernels, in fp32 and bf16 on CPUs
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -106,7 +106,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    kernels: ModuleType | None = None  # workers.cpu_kernels, on fp32 CPUs
+    kernels: ModuleType | None = None  # workers.cpu_kernels, in fp32 and bf16 on CPUs
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
@@ -146,7 +146,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    kernels: ModuleType | None = None  # workers.cpu_kernels, on fp32 CPUs
+    kernels: ModuleType | None = None  # workers.cpu_kernels, in fp32 and bf16 on CPUs
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
@@ -244,14 +244,14 @@ class CausalLM(nn.Module):
                 module.pack_for_onednn()
 
     def use_cpu_kernels(self, kernels: ModuleType) -> None:
-        """CPU only. fp32: norms, RoPE, the MLP activation and (with AVX-512) the projections in
-        kvserve's C++ kernels; where the `cpu` attention backend covers the shapes, decode-only
-        steps run a layer per call. bf16: the projections only (`linear_bf16`, batch-invariant;
-        oneDNN's bf16 GEMV is 2-3x slower at one row), the rest in torch ops, as transformers
-        runs them: the elementwise kernels and `decode_layer` are fp32 code. A tied lm_head gets
-        its own packed copy, as with oneDNN."""
+        """CPU only, fp32 and bf16 (bf16 needs an AVX-512 build): norms, RoPE, the MLP
+        activation and (with AVX-512) the projections in kvserve's C++ kernels; where the `cpu`
+        attention backend covers the shapes, decode-only steps run a layer per call. bf16's
+        elementwise kernels round where transformers' bf16 ops do (bit-identical to them); its
+        projections are `linear_bf16` (batch-invariant; oneDNN's bf16 GEMV is 2-3x slower at one
+        row). A tied lm_head gets its own packed copy, as with oneDNN."""
         dtype = self.lm_head.weight.dtype
-        if dtype == torch.float32:
+        if elementwise_available_for(kernels, dtype):
             for module in self.modules():
                 if isinstance(module, (RMSNorm, Attention, MLP)):
                     module.kernels = kernels
@@ -260,8 +260,9 @@ class CausalLM(nn.Module):
                 if isinstance(module, Linear):
                     module.pack_for_kernels(kernels)
         attn = self.layers[0].self_attn
-        if linear_available_for(kernels, dtype) and CPUAttention.covers_shape(
-                dtype, attn.num_heads, attn.num_kv_heads, attn.head_dim):
+        if (linear_available_for(kernels, dtype) and elementwise_available_for(kernels, dtype)
+                and CPUAttention.covers_shape(dtype, attn.num_heads, attn.num_kv_heads,
+                                              attn.head_dim)):
             self.decode_kernels = kernels
             self.decode_weights = [layer.decode_weights() for layer in self.layers]
 

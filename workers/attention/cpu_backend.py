@@ -6,8 +6,9 @@ that dwarfs the few FLOPs of a one-token query. `paged_decode` (`workers/csrc/pa
 reads keys and values in place through the block table, one pass per (sequence, KV head) for all
 of that head's query heads, split over torch's intra-op threads (measured in the engine: 0.41 ms
 per layer against 0.76 ms for gather + SDPA at 32 sequences of ~250 tokens, SmolLM2's shapes).
-Prefill chunks, and what the kernel does not cover (fp32 only; head_dim 64 or 128; up to 16
-query heads per KV head), keep the torch path.
+fp32, or bf16 (q and caches; computed in fp32, rounded to bf16 once). Prefill chunks, and what the
+kernel does not cover (other dtypes; head_dim other than 64 or 128; more than 16 query heads per KV
+head), keep the torch path.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from workers.attention.metadata import AttentionMetadata
 from workers.attention.torch_backend import TorchAttention
 
+DTYPES = (torch.float32, torch.bfloat16)
 HEAD_DIMS = (64, 128)
 MAX_GROUP = 16
 
@@ -44,5 +46,5 @@ class CPUAttention(TorchAttention):
 
     @staticmethod
     def covers_shape(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> bool:
-        return (dtype == torch.float32 and head_dim in HEAD_DIMS and heads % kv_heads == 0
+        return (dtype in DTYPES and head_dim in HEAD_DIMS and heads % kv_heads == 0
                 and heads // kv_heads <= MAX_GROUP)

@@ -1,16 +1,40 @@
 // Paged decode attention for CPUs: one query token per sequence, keys and values read in place
 // from the block pool (no gather copy), each KV head's block read once for all of its query heads.
-// fp32 only. Built at first use with the other CPU kernels: see workers/cpu_kernels.py.
+// fp32 or bf16 (q, caches and output in one dtype): bf16 values are widened to fp32 as they are
+// read and everything is computed in fp32 (scores, softmax, the weighted sum of values), rounded to
+// bf16 once at the end; a bf16 cache is half the bytes to read, which is what a long context's
+// decode step waits on. Built at first use with the other CPU kernels: see workers/cpu_kernels.py.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace {
 
 constexpr int64_t kMaxGroup = 16;  // query heads per KV head
+
+// an element as fp32: fp32 as it is, bf16 (its bits, uint16_t) widened, exactly
+inline float widen(float v) { return v; }
+inline float widen(uint16_t b) {
+  const uint32_t bits = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// fp32 -> the element type: bf16 by round to nearest even (NaN -> quiet NaN), as torch does
+inline void narrow(float v, float* out) { *out = v; }
+inline void narrow(float v, uint16_t* out) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, 4);
+  *out = (bits & 0x7fffffffu) > 0x7f800000u
+             ? uint16_t{0x7fc0}
+             : static_cast<uint16_t>((bits + ((bits >> 16) & 1u) + 0x7fffu) >> 16);
+}
 
 struct Shape {
   int64_t block_size, kv_heads, group, q_row_stride;
@@ -18,9 +42,10 @@ struct Shape {
 
 // One (sequence, KV head): out[g] = softmax(q[g] . K^T * scale) V for its `group` query heads.
 // q, out: [group, D]; table: the sequence's block ids; scores: scratch of group * length floats.
-template <int D>
-void attend_one(float* __restrict__ out, const float* __restrict__ q_in, const float* k_cache,
-                const float* v_cache, const int32_t* table, int64_t length, int64_t kv_head,
+// T: float, or uint16_t for bf16.
+template <int D, typename T>
+void attend_one(T* __restrict__ out, const T* __restrict__ q_in, const T* k_cache,
+                const T* v_cache, const int32_t* table, int64_t length, int64_t kv_head,
                 const Shape& shape, float scale, std::vector<float>& scores) {
   const int64_t G = shape.group, BS = shape.block_size;
   const int64_t token_stride = shape.kv_heads * D;  // cache: [blocks, block_size, kv_heads, D]
@@ -29,18 +54,18 @@ void attend_one(float* __restrict__ out, const float* __restrict__ q_in, const f
   float acc[kMaxGroup][D];
   for (int64_t g = 0; g < G; ++g)
     for (int d = 0; d < D; ++d) {
-      q[g][d] = q_in[g * D + d] * scale;
+      q[g][d] = widen(q_in[g * D + d]) * scale;
       acc[g][d] = 0.f;
     }
   scores.resize(G * length);
   for (int64_t start = 0; start < length; start += BS) {  // scores = q K^T
-    const float* block = k_cache + table[start / BS] * block_stride + kv_head * D;
+    const T* block = k_cache + table[start / BS] * block_stride + kv_head * D;
     for (int64_t t = start; t < std::min(start + BS, length); ++t) {
-      const float* __restrict__ k = block + (t - start) * token_stride;
+      const T* __restrict__ k = block + (t - start) * token_stride;
       for (int64_t g = 0; g < G; ++g) {
         float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-        for (int d = 0; d < D; ++d) dot += q[g][d] * k[d];
+        for (int d = 0; d < D; ++d) dot += q[g][d] * widen(k[d]);
         scores[g * length + t] = dot;
       }
     }
@@ -59,38 +84,43 @@ void attend_one(float* __restrict__ out, const float* __restrict__ q_in, const f
     for (int64_t t = 0; t < length; ++t) row[t] *= inv;
   }
   for (int64_t start = 0; start < length; start += BS) {  // out = p V
-    const float* block = v_cache + table[start / BS] * block_stride + kv_head * D;
+    const T* block = v_cache + table[start / BS] * block_stride + kv_head * D;
     for (int64_t t = start; t < std::min(start + BS, length); ++t) {
-      const float* __restrict__ v = block + (t - start) * token_stride;
+      const T* __restrict__ v = block + (t - start) * token_stride;
       for (int64_t g = 0; g < G; ++g) {
         const float p = scores[g * length + t];
 #pragma omp simd
-        for (int d = 0; d < D; ++d) acc[g][d] += p * v[d];
+        for (int d = 0; d < D; ++d) acc[g][d] += p * widen(v[d]);
       }
     }
   }
-  for (int64_t g = 0; g < G; ++g) std::copy(acc[g], acc[g] + D, out + g * D);
+  for (int64_t g = 0; g < G; ++g)
+    for (int d = 0; d < D; ++d) narrow(acc[g][d], out + g * D + d);
 }
 
-template <int D>
+// data<T>: a tensor's elements as T (bf16 as its bits)
+template <typename T>
+const T* data(const at::Tensor& t) { return static_cast<const T*>(t.data_ptr()); }
+
+template <int D, typename T>
 void paged_decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                        const at::Tensor& v_cache, const at::Tensor& block_tables,
                        const at::Tensor& context_lens, float scale) {
   const int64_t seqs = q.size(0), heads = q.size(1), kv_heads = k_cache.size(2);
   const Shape shape{k_cache.size(1), kv_heads, heads / kv_heads, q.stride(0)};
   const int64_t max_blocks = block_tables.size(1);
-  const float* q_ptr = q.data_ptr<float>();
-  const float* k_ptr = k_cache.data_ptr<float>();
-  const float* v_ptr = v_cache.data_ptr<float>();
+  const T* q_ptr = data<T>(q);
+  const T* k_ptr = data<T>(k_cache);
+  const T* v_ptr = data<T>(v_cache);
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = context_lens.data_ptr<int32_t>();
-  float* out_ptr = out.data_ptr<float>();
+  T* out_ptr = static_cast<T*>(out.data_ptr());
   at::parallel_for(0, seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / kv_heads, h = item % kv_heads;
       const int64_t first_head = h * shape.group;
-      attend_one<D>(out_ptr + (s * heads + first_head) * D,
+      attend_one<D, T>(out_ptr + (s * heads + first_head) * D,
                     q_ptr + s * shape.q_row_stride + first_head * D, k_ptr, v_ptr,
                     tables + s * max_blocks, lens[s], h, shape, scale, scores);
     }
@@ -104,8 +134,9 @@ void paged_decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& block_tables, const at::Tensor& context_lens,
                         double scale) {
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
-              v_cache.scalar_type() == at::kFloat, "paged_decode: fp32 only");
+  TORCH_CHECK((q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16) &&
+              k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+              "paged_decode: fp32 or bf16 q and caches, all of one dtype");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "paged_decode: q rows must be dense");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_decode: caches dense");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() &&
@@ -124,9 +155,22 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
               "paged_decode: at most 16 query heads per KV head");
   auto out = at::empty({q.size(0), heads, q.size(2)}, q.options());
   const auto s = static_cast<float>(scale);
+  const bool bf16 = q.scalar_type() == at::kBFloat16;
   switch (q.size(2)) {
-    case 64: paged_decode_impl<64>(out, q, k_cache, v_cache, block_tables, context_lens, s); break;
-    case 128: paged_decode_impl<128>(out, q, k_cache, v_cache, block_tables, context_lens, s); break;
+    case 64:
+      if (bf16) {
+        paged_decode_impl<64, uint16_t>(out, q, k_cache, v_cache, block_tables, context_lens, s);
+      } else {
+        paged_decode_impl<64, float>(out, q, k_cache, v_cache, block_tables, context_lens, s);
+      }
+      break;
+    case 128:
+      if (bf16) {
+        paged_decode_impl<128, uint16_t>(out, q, k_cache, v_cache, block_tables, context_lens, s);
+      } else {
+        paged_decode_impl<128, float>(out, q, k_cache, v_cache, block_tables, context_lens, s);
+      }
+      break;
     default: TORCH_CHECK(false, "paged_decode: head_dim 64 or 128");
   }
   return out;
