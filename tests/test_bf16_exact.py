@@ -4,7 +4,7 @@ The rule (`workers/bench/exactness.py`): where kvserve and transformers first di
 side's token is among the other's top-5 logprobs. Both run bf16 weights, activations and KV
 cache on this CPU; norms and logits in fp32 on both sides. How many prompts match fully is
 printed (run with -s): bf16's rounding parts some texts at a near-tie (measured 2026-12-01 on an
-Intel Xeon with AVX512-BF16: 8/13 identical alone, 10/13 concurrent, every difference within the
+Intel Xeon with AVX512-BF16: 9/13 identical alone, 9/13 concurrent, every difference within the
 rule). The engine's projections round each output once from an in-order fp32 sum; transformers'
 oneDNN matmuls block the sum differently, so a logit can land one bf16 step away.
 """
