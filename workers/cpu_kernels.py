@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / name for name in ("bindings.cpp", "paged_decode.cpp", "fused_ops.cpp",
                                     "linear.cpp", "linear_bf16.cpp", "decode_layer.cpp")]
-HEADER = CSRC / "kernels.h"
+HEADERS = [CSRC / name for name in ("kernels.h", "bf16.h")]
 # -march=native: the build directory belongs to this machine (kvserve's cache directory).
 # -ffast-math: glibc's vector expf (libmvec) is declared only under it; the kernels see only
 # finite values, and reassociated sums are what vectorizing them means
@@ -55,8 +55,8 @@ def load_cpu_kernels(build_root: Path) -> ModuleType | None:
         build_dir.mkdir(parents=True, exist_ok=True)
         clear_stale_lock(build_dir, time.time())
         # torch rebuilds when a source or a flag changes, but it does not read headers: the
-        # header's digest goes in as a flag
-        header = hashlib.sha256(HEADER.read_bytes()).hexdigest()[:16]
+        # headers' digest goes in as a flag
+        header = hashlib.sha256(b"".join(h.read_bytes() for h in HEADERS)).hexdigest()[:16]
         return load(name="kvserve_cpu_kernels", sources=[str(s) for s in SOURCES],
                     build_directory=str(build_dir),
                     extra_cflags=[*CFLAGS, f"-DKVSERVE_KERNELS_H={header}"],

@@ -18,6 +18,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "bf16.h"
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -72,20 +74,8 @@ inline uint16_t narrow(float f) {
 // bf16 rounded through fp32: the value a torch bf16 op leaves, as fp32
 inline float round_bf16(float f) { return widen(narrow(f)); }
 
-inline __m512 widen16(const uint16_t* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-inline __m256i narrow16(__m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-  const __mmask16 nan = _mm512_cmpgt_epu32_mask(
-      _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
-  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc00000));
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
-}
+using kvserve_bf16::narrow16;
+using kvserve_bf16::widen16;
 
 inline void store16(uint16_t* p, __m256i v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v);

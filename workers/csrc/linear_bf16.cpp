@@ -20,6 +20,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "bf16.h"
+
 #include <algorithm>
 #include <array>
 #include <cstdint>
@@ -42,16 +44,7 @@ constexpr int64_t kPrefetchBytes = 2048;  // ~10 k pairs ahead in a panel
 // chains hide the FMA latency (4 cycles, 2 per cycle); each output's chain is unchanged
 constexpr int groups_for(int mr) { return mr <= 2 ? 4 : mr <= 4 ? 2 : 1; }
 
-// fp32 [16] -> bf16 [16], round to nearest even; NaN -> quiet NaN (c10::round_to_nearest_even)
-inline __m256i to_bf16(__m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-  const __mmask16 nan = _mm512_cmpgt_epu32_mask(
-      _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
-  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc00000));
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
-}
+using kvserve_bf16::narrow16;  // fp32 [16] -> bf16 [16], as torch rounds
 
 // out[m, g * 48 + :n_valid] = x[m, :] . panel g (+ bias) for MR rows and G panels.
 // x: fp32 [MR, K2] (ldx), K2 = 2 * pairs, zero-padded; panels: bf16 [G][pairs, 48, 2] (stride ldp)
@@ -97,7 +90,7 @@ void tile(const float* x, int64_t ldx, const uint16_t* __restrict__ panels, int6
       const __m512 bv = b ? _mm512_maskz_loadu_ps(mask, b) : _mm512_setzero_ps();
       for (int m = 0; m < MR; ++m)
         _mm256_mask_storeu_epi16(out + m * ldo + g * kNR + 16 * j, mask,
-                                 to_bf16(_mm512_add_ps(acc[m][g][j], bv)));
+                                 narrow16(_mm512_add_ps(acc[m][g][j], bv)));
     }
 }
 

@@ -7,6 +7,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "bf16.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -17,24 +19,12 @@ namespace {
 
 constexpr int64_t kMaxGroup = 16;  // query heads per KV head
 
-// an element as fp32: fp32 as it is, bf16 (its bits, uint16_t) widened, exactly
+// an element as fp32 (bf16: its bits, uint16_t, widened exactly), and back (bf16: rounded as
+// torch rounds); fp32 as it is
 inline float widen(float v) { return v; }
-inline float widen(uint16_t b) {
-  const uint32_t bits = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-// fp32 -> the element type: bf16 by round to nearest even (NaN -> quiet NaN), as torch does
+inline float widen(uint16_t b) { return kvserve_bf16::widen(b); }
 inline void narrow(float v, float* out) { *out = v; }
-inline void narrow(float v, uint16_t* out) {
-  uint32_t bits;
-  std::memcpy(&bits, &v, 4);
-  *out = (bits & 0x7fffffffu) > 0x7f800000u
-             ? uint16_t{0x7fc0}
-             : static_cast<uint16_t>((bits + ((bits >> 16) & 1u) + 0x7fffu) >> 16);
-}
+inline void narrow(float v, uint16_t* out) { *out = kvserve_bf16::narrow(v); }
 
 struct Shape {
   int64_t block_size, kv_heads, group, q_row_stride;
