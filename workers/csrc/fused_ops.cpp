@@ -56,20 +56,8 @@ inline __m512 divide(__m512 a, __m512 b) {
   return q;
 }
 
-inline float widen(uint16_t b) {
-  const uint32_t bits = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-// fp32 -> bf16, round to nearest even, NaN -> quiet NaN (c10::round_to_nearest_even)
-inline uint16_t narrow(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-  return static_cast<uint16_t>((bits + ((bits >> 16) & 1u) + 0x7fffu) >> 16);
-}
+using kvserve_bf16::narrow;
+using kvserve_bf16::widen;
 
 // bf16 rounded through fp32: the value a torch bf16 op leaves, as fp32
 inline float round_bf16(float f) { return widen(narrow(f)); }
