@@ -45,8 +45,8 @@ bench: $(STAMP)
 # No $(STAMP): on a lent GPU machine this runs with the system python and its torch (no venv,
 # no network); see results/README.md. Override GPU_CHECK_OUT to write elsewhere.
 GPU_CHECK_OUT ?= results/gpu-check-$(shell date -u +%Y%m%dT%H%M%SZ).json
-gpu-check:  ## the one device check (workers/gpu_check.py): tests, exactness, kernels, throughput
-	$(PYTHON) -m workers.gpu_check --out $(GPU_CHECK_OUT)
+gpu-check:  ## the one device check (kvserve/bench/gpu_check.py): tests, exactness, kernels, throughput
+	$(PYTHON) -m kvserve.bench.gpu_check --out $(GPU_CHECK_OUT)
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

@@ -20,9 +20,9 @@ from ray.serve import Application
 
 from cluster.deployment import GenerationDeployment
 from cluster.router import request_router_config
-from workers.attention import BACKENDS
-from workers.attention.flash_backend import FLASH_BLOCK_MULTIPLE
 from workers.config import DTYPES, EngineConfig, parse_size
+from workers.model_executor.attention import BACKENDS
+from workers.model_executor.attention.flash_backend import FLASH_BLOCK_MULTIPLE
 
 GRPC_SERVICER_FUNCTIONS = ["cluster.grpc_ingress.add_generation_servicer"]
 _ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}

@@ -8,8 +8,8 @@ import grpc
 from google.protobuf import struct_pb2
 
 from kvserve.v1 import generation_pb2 as pb
+from workers.core.outputs import RequestOutput
 from workers.errors import EngineShutdownError, InvalidRequestError, QueueFullError
-from workers.outputs import RequestOutput
 
 _OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
              "presence_penalty", "frequency_penalty", "seed", "logprobs")

@@ -18,8 +18,8 @@ import ray
 
 from cache_manager.index import ReplicaReport, ReplicaUsage
 from cache_manager.manager import ReplicaState
+from workers.core.kv_events import KVEvent
 from workers.engine import LLMEngine
-from workers.kv_events import KVEvent
 
 logger = logging.getLogger(__name__)
 

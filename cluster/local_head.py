@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from kvserve.process import cmdline, die_with_parent, pid_alive, sigterm_handler_kept
-from workers.loader import cache_root
+from workers.model_executor.loader import cache_root
 
 STATE_FILE = "up.json"
 TOKEN_FILE = "auth_token"  # in the head's temp dir, mode 0600

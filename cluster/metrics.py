@@ -10,8 +10,8 @@ from collections.abc import AsyncIterator
 from ray.serve.metrics import Counter, Gauge, Histogram
 
 from kvserve.v1 import generation_pb2 as pb
+from workers.core.outputs import KVCacheStats
 from workers.engine import LLMEngine
-from workers.outputs import KVCacheStats
 
 LATENCY_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]

@@ -7,8 +7,8 @@ Multi-turn chat thus keeps landing where its history is cached, and its prefill 
 Per request the router:
 1. finds the `GenerateRequest` in the handle call's arguments (other methods route on load);
 2. computes the prompt's token ids exactly as the engine does (`cluster.convert.prompt_input`,
-   `workers.inputs.to_token_ids`, the model's own tokenizer) and the chained hashes of its full
-   blocks (`workers.prefix_hash`), leaving out the last prompt token, which the engine always
+   `workers.core.inputs.to_token_ids`, the model's own tokenizer) and the chained hashes of its full
+   blocks (`workers.core.prefix_hash`), leaving out the last prompt token, which the engine always
    recomputes;
 3. asks the central cache manager actor how many leading blocks each replica holds;
 4. ranks the replicas with `choose_replica_ids` (load = ongoing requests, from Serve's queue
@@ -41,8 +41,8 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 from cache_manager.actor import deployment_key
 from cluster.convert import prompt_input
 from kvserve.v1 import generation_pb2 as pb
-from workers.inputs import to_token_ids
-from workers.prefix_hash import extend_block_hashes
+from workers.core.inputs import to_token_ids
+from workers.core.prefix_hash import extend_block_hashes
 
 logger = logging.getLogger("ray.serve")
 
@@ -150,7 +150,7 @@ def _lookup_manager(deployment_name: str) -> Any:
 
 
 def _load_tokenizer(model: str | None) -> Any:
-    from workers.loader import load_tokenizer
+    from workers.model_executor.loader import load_tokenizer
 
     return load_tokenizer(model)
 

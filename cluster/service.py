@@ -20,7 +20,7 @@ from cluster.convert import engine_request, prompt_input, response, status_code,
 from kvserve.v1 import generation_pb2 as pb
 from kvserve.v1 import generation_pb2_grpc as pb_grpc
 from workers.async_engine import AsyncLLMEngine
-from workers.inputs import to_token_ids
+from workers.core.inputs import to_token_ids
 
 
 class GenerationService:

@@ -65,7 +65,7 @@ def build_all(cfg: RecallConfig, tokenizer: Any) -> list[RecallSample]:
 
 
 def run_recall(cfg: RecallConfig, progress: bool = True) -> dict[str, Any]:
-    from workers.loader import load_tokenizer
+    from workers.model_executor.loader import load_tokenizer
 
     cfg.check()
     cfg.out.mkdir(parents=True, exist_ok=True)
@@ -110,7 +110,7 @@ def _record(variant: RopeVariant, s: RecallSample, text: str, token_ids: list[in
 
 
 def trained_length(cfg: RecallConfig) -> int | None:
-    from workers.loader import resolve_model_dir
+    from workers.model_executor.loader import resolve_model_dir
 
     path = resolve_model_dir(cfg.engine.get("model")) / "config.json"
     return json.loads(path.read_text()).get("max_position_embeddings") if path.exists() else None

@@ -124,7 +124,7 @@ class RecallSample:
     prompt: str  # the whole prompt, plain text, ending where the model should answer
     targets: tuple[str, ...]  # the values to recall
     max_tokens: int  # generation budget for the answer
-    prompt_tokens: int  # len(tokenizer(prompt)["input_ids"]), as workers.inputs counts it
+    prompt_tokens: int  # len(tokenizer(prompt)["input_ids"]), as workers.core.inputs counts it
 
     @property
     def sample_id(self) -> str:
@@ -247,7 +247,7 @@ def _answer_budget(tokenizer: Any, targets: Sequence[str]) -> int:
 
 
 def _count(tokenizer: Any, text: str) -> int:
-    """Prompt tokens exactly as workers.inputs.to_token_ids(prompt=...) counts them."""
+    """Prompt tokens exactly as workers.core.inputs.to_token_ids(prompt=...) counts them."""
     return len(tokenizer(text)["input_ids"])
 
 

@@ -3,8 +3,9 @@
 `none` runs the model as trained; `linear:F`, `dynamic:F` (NTK), `yarn:F` and `llama3:F` scale by
 factor F, with the type's own keys at transformers' defaults unless given after the factor:
 `yarn:4,beta_fast=32`. The engine evaluates transformers' own RoPE code with the override
-(workers/rope.py), so the math is Hugging Face's; `original_max_position_embeddings` defaults to
-the trained context (workers/loader.py: `override_rope`).
+(workers.model_executor.rope), so the math is Hugging Face's;
+`original_max_position_embeddings` defaults to
+the trained context (workers/model_executor/loader.py: `override_rope`).
 """
 
 from __future__ import annotations

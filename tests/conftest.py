@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from workers.config import EngineConfig
-from workers.cpu_kernels import load_cpu_kernels
 from workers.engine import LLMEngine
-from workers.loader import cache_root, resolve_model_dir
-from workers.tiny import tiny_checkpoint
+from workers.model_executor.cpu_kernels import load_cpu_kernels
+from workers.model_executor.loader import cache_root, resolve_model_dir
+from workers.model_executor.tiny import tiny_checkpoint
 
 
 @pytest.fixture(scope="session")

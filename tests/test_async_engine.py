@@ -181,7 +181,7 @@ def test_admission_is_bounded_by_the_kv_the_waiting_requests_need(make_tiny_engi
 def _engine_at_100_prompt_tokens_per_s(make_tiny_engine):
     """A 16-token step budget, a 1 s time bound, and a rate as if measured at 100 prompt
     tokens/s (smoothing 0 keeps it while the tiny model runs)."""
-    from workers.prefill_rate import PrefillRate
+    from workers.core.prefill_rate import PrefillRate
 
     core = make_tiny_engine(max_num_batched_tokens=16, max_expected_wait_s=1.0)
     core.prefill_rate = PrefillRate(budget=16, smoothing=0.0, tokens_per_s=100.0)
@@ -237,7 +237,7 @@ def test_the_time_bound_counts_the_requests_own_prompt_once_the_replica_is_busy(
 
 
 def test_prefill_rate_learns_from_full_steps_and_shares_the_budget_with_decodes():
-    from workers.prefill_rate import PrefillRate
+    from workers.core.prefill_rate import PrefillRate
 
     rate = PrefillRate(budget=512, smoothing=0.5)
     assert rate.seconds_for(1000) is None  # nothing measured: no time bound yet
@@ -255,8 +255,8 @@ def test_prefill_rate_learns_from_full_steps_and_shares_the_budget_with_decodes(
 
 
 def test_while_a_request_decodes_prompt_chunks_fit_the_itl_target(make_tiny_engine):
-    from workers.prefill_rate import PrefillRate
-    from workers.sampling_params import SamplingParams
+    from workers.core.prefill_rate import PrefillRate
+    from workers.core.sampling_params import SamplingParams
 
     engine = make_tiny_engine(itl_target_ms=200.0)  # 512-token budget by default
     engine.prefill_rate = PrefillRate(budget=512, smoothing=0.0, tokens_per_s=100.0)

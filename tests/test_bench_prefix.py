@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import math
 
+from kvserve.bench.prefix import SETTINGS, run_prefix_bench
 from kvserve.cli import build_parser
-from workers.bench.prefix import SETTINGS, run_prefix_bench
 from workers.config import EngineConfig
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 
-from cluster.bench_serve import run_serve_bench, summarize
+from kvserve.bench.serve import run_serve_bench, summarize
 from kvserve.cli import build_parser
 from tests.serving import serve_locally
 

@@ -1,6 +1,6 @@
 """bf16 end to end on the CPU: greedy output against transformers in bf16, by vLLM's rule.
 
-The rule (`workers/bench/exactness.py`): where kvserve and transformers first differ, each
+The rule (`kvserve/bench/exactness.py`): where kvserve and transformers first differ, each
 side's token is among the other's top-5 logprobs. Both run bf16 weights, activations and KV
 cache on this CPU; norms and logits in fp32 on both sides. How many prompts match fully is
 printed (run with -s): bf16's rounding parts some texts at a near-tie (measured 2026-12-01 on an
@@ -14,9 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import assert_engine_idle
-from tests.prompts import varied_prompts
-from workers.bench.exactness import (
+from kvserve.bench.exactness import (
     Greedy,
     compare,
     engine_greedy,
@@ -24,6 +22,8 @@ from workers.bench.exactness import (
     logprobs_close,
     summary,
 )
+from tests.helpers import assert_engine_idle
+from tests.prompts import varied_prompts
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
 
@@ -84,7 +84,7 @@ def _tiny_comparison(dtype: str, concurrent: bool, **engine_config) -> dict:
     nearly flat, every token a near-tie, and the rule could not tell anything apart."""
     from transformers import AutoModelForCausalLM
 
-    from workers.tiny import tiny_checkpoint
+    from workers.model_executor.tiny import tiny_checkpoint
 
     ckpt = tiny_checkpoint("llama", initializer_range=0.3)
     engine = LLMEngine(EngineConfig(dtype=dtype, device="cpu", kv_cache_memory=4 * 1024**2,

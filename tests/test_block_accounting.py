@@ -30,14 +30,14 @@ from hypothesis.stateful import (
 )
 
 from tests.helpers import assert_engine_idle, output_ids
-from workers.block_manager import BlockManager
 from workers.config import EngineConfig
+from workers.core.block_manager import BlockManager
+from workers.core.outputs import RequestOutput
+from workers.core.scheduler import Scheduler
+from workers.core.sequence import Sequence, SequenceStatus
 from workers.engine import LLMEngine
-from workers.kv_cache import KVCacheSpec
-from workers.outputs import RequestOutput
-from workers.scheduler import Scheduler
-from workers.sequence import Sequence, SequenceStatus
-from workers.tiny import tiny_checkpoint, tiny_config
+from workers.model_executor.kv_cache import KVCacheSpec
+from workers.model_executor.tiny import tiny_checkpoint, tiny_config
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

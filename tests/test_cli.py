@@ -140,13 +140,13 @@ def test_bench_throughput_bf16_puts_fp32_and_the_matmul_share_beside_it():
 def test_up_flags_for_gpu_replicas_reach_the_app_config(monkeypatch):
     """`kvserve up --dtype ... --device ... --attention-backend ...` become AppConfig fields
     (a typo in an override key would be refused by AppConfig's extra="forbid")."""
-    import cluster.launch
+    import kvserve.cli.launch
     from kvserve.cli import main
 
     seen = {}
-    monkeypatch.setattr(cluster.launch, "serve_until_interrupted",
+    monkeypatch.setattr(kvserve.cli.launch, "serve_until_interrupted",
                         lambda path, overrides, port: seen.update(
-                            config=cluster.launch.load_config(path, overrides)) or 0)
+                            config=kvserve.cli.launch.load_config(path, overrides)) or 0)
     assert main(["up", "--dtype", "bfloat16", "--device", "cpu", "--attention-backend", "torch",
                  "--num-gpus-per-replica", "0"]) == 0
     config = seen["config"]

@@ -9,11 +9,11 @@ import torch
 import torch.nn.functional as F
 
 from tests.helpers import output_ids
-from workers.attention import make_backend, resolve_backend_name
-from workers.attention import metadata as attention_metadata
-from workers.attention.cpu_backend import CPUAttention
-from workers.attention.torch_backend import TorchAttention
-from workers.cpu_kernels import (
+from workers.model_executor.attention import make_backend, resolve_backend_name
+from workers.model_executor.attention import metadata as attention_metadata
+from workers.model_executor.attention.cpu_backend import CPUAttention
+from workers.model_executor.attention.torch_backend import TorchAttention
+from workers.model_executor.cpu_kernels import (
     STALE_LOCK_S,
     build_dir_name,
     clear_stale_lock,
@@ -21,8 +21,8 @@ from workers.cpu_kernels import (
     elementwise_available_for,
     load_cpu_kernels,
 )
-from workers.model import RMSNorm
-from workers.rope import rotate
+from workers.model_executor.model import RMSNorm
+from workers.model_executor.rope import rotate
 
 
 @pytest.fixture(scope="module")

@@ -6,17 +6,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from workers.attention import make_backend
-from workers.attention import metadata as attention_metadata
-from workers.bench.baselines import (
+from kvserve.bench.baselines import (
     decode_step_weights,
     weight_bytes_per_decode_step,
     weights_read_seconds,
 )
-from workers.cpu_kernels import elementwise_available_for, linear_available_for
 from workers.engine import _build_model
-from workers.model import Linear
-from workers.tiny import tiny_checkpoint
+from workers.model_executor.attention import make_backend
+from workers.model_executor.attention import metadata as attention_metadata
+from workers.model_executor.cpu_kernels import elementwise_available_for, linear_available_for
+from workers.model_executor.model import Linear
+from workers.model_executor.tiny import tiny_checkpoint
 
 
 @pytest.fixture(scope="module")

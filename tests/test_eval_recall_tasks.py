@@ -23,8 +23,8 @@ from evals.scoring import (
     summarize_cell,
 )
 from evals.stats import wilson_interval
-from workers.inputs import to_token_ids
-from workers.loader import load_tokenizer
+from workers.core.inputs import to_token_ids
+from workers.model_executor.loader import load_tokenizer
 
 NEEDLE = re.compile(
     r"The pass key is (?P<pk>\d+)\. Remember it\. (?P=pk) is the pass key\."

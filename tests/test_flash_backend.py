@@ -10,22 +10,22 @@ import pytest
 import torch
 
 from tests.helpers import assert_engine_idle, output_ids
-from workers.attention.flash_backend import (
+from workers.config import EngineConfig
+from workers.engine import LLMEngine
+from workers.model_executor.attention.flash_backend import (
     PROVIDERS,
     FlashAttention,
     default_provider_name,
     make_provider,
     provider_missing,
 )
-from workers.attention.flash_checks import (
+from workers.model_executor.attention.flash_checks import (
     compare_with_reference,
     probe_batch_invariance,
     probe_block_sizes,
     use_backend,
 )
-from workers.config import EngineConfig
-from workers.engine import LLMEngine
-from workers.tiny import synthetic_tokenizer, tiny_checkpoint
+from workers.model_executor.tiny import synthetic_tokenizer, tiny_checkpoint
 
 pytestmark = [
     pytest.mark.gpu,

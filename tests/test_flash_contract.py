@@ -1,5 +1,5 @@
 """The flash_attn backend's code path on a CPU: its kernels replaced by pure-torch references
-of their documented contracts (workers.attention.flash_reference), against the torch backend.
+of their documented contracts (attention.flash_reference), against the torch backend.
 
 What this covers: every argument the backend derives from a step's metadata (cu_seqlens,
 block tables, lengths, maxima, causal alignment over a cached prefix, GQA), for both kernel
@@ -16,9 +16,10 @@ import pytest
 import torch
 
 from tests.helpers import assert_engine_idle, output_ids
-from workers.attention import TorchAttention, resolve_backend_name
-from workers.attention import flash_reference as ref
-from workers.attention.flash_backend import (
+from workers.engine import _resolve_block_size
+from workers.model_executor.attention import TorchAttention, resolve_backend_name
+from workers.model_executor.attention import flash_reference as ref
+from workers.model_executor.attention.flash_backend import (
     FLASH_ATTN,
     FLASH_BLOCK_MULTIPLE,
     PROVIDERS,
@@ -29,7 +30,7 @@ from workers.attention.flash_backend import (
     default_provider_name,
     required_block_multiple,
 )
-from workers.attention.flash_checks import (
+from workers.model_executor.attention.flash_checks import (
     compare_with_reference,
     probe_batch_invariance,
     probe_block_sizes,
@@ -38,7 +39,6 @@ from workers.attention.flash_checks import (
     run_all,
     use_backend,
 )
-from workers.engine import _resolve_block_size
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -403,7 +403,7 @@ def test_without_a_provider_the_backend_names_what_is_missing():
 
 
 def test_auto_picks_flash_attn_on_cuda_when_a_provider_is_there(monkeypatch):
-    import workers.attention as attention
+    import workers.model_executor.attention as attention
 
     monkeypatch.setattr(attention, "default_provider_name", lambda: TORCH_VARLEN)
     assert resolve_backend_name("auto", torch.device("cuda")) == "flash_attn"

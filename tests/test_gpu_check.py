@@ -1,4 +1,4 @@
-"""workers/gpu_check.py, the one device check: its --dry-run (the same code on the CPU with tiny
+"""kvserve.bench.gpu_check, the one device check: its --dry-run (the same code on the CPU with tiny
 shapes) runs here in CI, so the script cannot rot between the rare runs on a GPU machine."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from workers import gpu_check
-from workers.gpu_check import SECTIONS, Context, Report, Skip
+from kvserve.bench import gpu_check
+from kvserve.bench.gpu_check import SECTIONS, Context, Report, Skip
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory) -> tuple[dict, subprocess.CompletedProcess]:
     out = tmp_path_factory.mktemp("gpu_check") / "results.json"
-    proc = subprocess.run([sys.executable, "-m", "workers.gpu_check", "--dry-run", "--out",
+    proc = subprocess.run([sys.executable, "-m", "kvserve.bench.gpu_check", "--dry-run", "--out",
                            str(out)], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert out.exists(), proc.stderr[-3000:]
     return json.loads(out.read_text()), proc

@@ -104,7 +104,7 @@ def test_serve_configs_validate_and_their_builders_accept_their_args(name, confi
 
 
 def test_kvserve_up_reads_a_serve_config_and_applies_overrides():
-    from cluster.launch import load_config
+    from kvserve.cli.launch import load_config
 
     config = load_config(str(INFRA / "serve" / "gpu.yaml"), {"replicas": None, "model": "m"})
     assert (config.model, config.num_gpus_per_replica) == ("m", 1)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from workers.loader import DEFAULT_MODEL, load_checkpoint, resolve_model_dir
+from workers.model_executor.loader import DEFAULT_MODEL, load_checkpoint, resolve_model_dir
 
 
 def test_default_model_is_converted_once_and_cached(model_dir):

@@ -7,10 +7,10 @@ import argparse
 
 import pytest
 
-from cluster.loadtest import LoadtestSummary
-from cluster.loadtest_report import baseline_table, first_refusing, plot_baseline
 from cluster.memory_watch import MemorySample, MiB, memory_report, plot_memory, write_csv
-from kvserve.loadtest_cli import _user_counts, seconds
+from kvserve.bench.loadtest import LoadtestSummary
+from kvserve.bench.loadtest_report import baseline_table, first_refusing, plot_baseline
+from kvserve.cli.loadtest import _user_counts, seconds
 
 
 def test_memory_growth_counts_from_the_first_sample_after_warmup(tmp_path):

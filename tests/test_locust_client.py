@@ -23,7 +23,7 @@ HELD_STREAMS = 16  # more than gevent's default 10 threads
 
 CLIENT = f"""
 import sys, time
-sys.path.insert(0, {str(ROOT / "infra" / "locust")!r})
+sys.path.insert(0, {str(ROOT / "kvserve" / "bench" / "locust")!r})
 import locustfile  # gevent + gRPC set up exactly as under Locust
 import gevent, grpc
 from kvserve.v1 import generation_pb2 as pb, generation_pb2_grpc as pb_grpc

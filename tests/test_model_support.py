@@ -16,10 +16,10 @@ import torch
 
 from tests.helpers import assert_engine_idle, output_ids
 from workers.config import EngineConfig
+from workers.core.outputs import TokenLogprobs
 from workers.engine import LLMEngine
-from workers.loader import LoadedCheckpoint
-from workers.sampler import TokenLogprobs
-from workers.tiny import tiny_checkpoint
+from workers.model_executor.loader import LoadedCheckpoint
+from workers.model_executor.tiny import tiny_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

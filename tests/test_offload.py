@@ -14,9 +14,9 @@ from tests.test_prefix_caching import (
     drive_random_traffic,
     shared_prefix_requests,
 )
+from workers.core.host_block_pool import HostBlockPool
+from workers.core.kv_events import KVEvents
 from workers.engine import LLMEngine
-from workers.host_block_pool import HostBlockPool
-from workers.kv_events import KVEvents
 
 # -- HostBlockPool units --------------------------------------------------------------------
 
@@ -107,7 +107,7 @@ def test_cudas_staged_copies_keep_every_output(chunk_blocks, max_slots, slow_dma
                                                one_torch_thread):
     """The algorithm the engine runs on CUDA (`KVCopier` staged: chunked, device->host
     scatters deferred to a later step), here with no-op streams and events on CPU."""
-    from workers.kv_transfer import KVCopier
+    from workers.model_executor.kv_transfer import KVCopier
 
     rng = random.Random(5)
     requests = shared_prefix_requests(rng, 4)

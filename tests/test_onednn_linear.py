@@ -1,5 +1,5 @@
 """oneDNN matmuls run at a few dozen row counts (padded), so a replica's memory stops growing
-once it has seen them: oneDNN keeps memory per row count it has run (see `workers.model`)."""
+once it has seen them: oneDNN keeps memory per row count it has run (see `model_executor.model`)."""
 
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from workers.model import Linear, onednn_available, padded_rows
+from workers.model_executor.model import Linear, onednn_available, padded_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="oneDNN linear not in this torch")
 
 GROWTH = """
 import sys, psutil, torch
-from workers.model import Linear
+from workers.model_executor.model import Linear
 torch.set_num_threads(1)
 lin = Linear(576, 3072, bias=False)
 lin.pack_for_onednn()

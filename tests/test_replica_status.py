@@ -13,7 +13,7 @@ from cluster.replica_status import (
     current_rows,
     parse_rows,
 )
-from cluster.status_cli import format_status
+from kvserve.cli.status import format_status
 
 
 def row(replica_id: str = "r1", updated_at: float = 1000.0, **kw) -> ReplicaStatus:

@@ -19,8 +19,8 @@ from evals.rope_variants import parse_rope_variant
 from tests.helpers import assert_engine_idle, output_ids
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
-from workers.loader import LoadedCheckpoint
-from workers.tiny import tiny_checkpoint, tiny_config
+from workers.model_executor.loader import LoadedCheckpoint
+from workers.model_executor.tiny import tiny_checkpoint, tiny_config
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -36,8 +36,8 @@ from cluster.router import (
     request_router_config,
 )
 from kvserve.v1 import generation_pb2 as pb
-from workers.inputs import to_token_ids
-from workers.prefix_hash import block_hash
+from workers.core.inputs import to_token_ids
+from workers.core.prefix_hash import block_hash
 
 BS = 4  # block size in the fake cluster
 DEPLOYMENT = DeploymentID(name="Generation", app_name="default")
@@ -119,7 +119,7 @@ def tokenizer():
     """The engine's tokenizer for the default model, loaded as `load_checkpoint` loads it."""
     from transformers import AutoTokenizer
 
-    from workers.loader import resolve_model_dir
+    from workers.model_executor.loader import resolve_model_dir
 
     return AutoTokenizer.from_pretrained(resolve_model_dir(None))
 
@@ -390,7 +390,7 @@ def test_text_prompts_hash_with_the_router_loaded_tokenizer(monkeypatch, tokeniz
         router = make_router([FakeReplica("a", 1), FakeReplica("b", 0)], tokenizer_wait_s=120)
         assert await route(router, pb.GenerateRequest(prompt=prompt)) == "a"
 
-    asyncio.run(run())  # the router loads its own tokenizer (workers.loader.load_tokenizer)
+    asyncio.run(run())  # the router loads its own tokenizer (loader.load_tokenizer)
     assert manager.asked == [block_hashes_hex(ids, BS, "")]
 
 

@@ -17,10 +17,11 @@ import pytest
 import torch
 
 from tests.helpers import HostTraffic
+from workers.core.outputs import TokenLogprobs
+from workers.core.sampling_params import SamplingParams
+from workers.core.sequence import Sequence
 from workers.errors import InvalidRequestError
-from workers.sampler import TokenLogprobs, _draw, sample, sampling_probs
-from workers.sampling_params import SamplingParams
-from workers.sequence import Sequence
+from workers.model_executor.sampler import _draw, sample, sampling_probs
 
 NEG_INF = float("-inf")
 

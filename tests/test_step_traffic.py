@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from tests.helpers import HostTraffic
-from workers.attention.flash_backend import FlashAttention
-from workers.attention.flash_checks import reference_provider, use_backend
+from workers.model_executor.attention.flash_backend import FlashAttention
+from workers.model_executor.attention.flash_checks import reference_provider, use_backend
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

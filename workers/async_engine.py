@@ -22,11 +22,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from workers.core.outputs import RequestOutput
+from workers.core.sampling_params import SamplingParams
+from workers.core.sequence import Sequence
 from workers.engine import LLMEngine
 from workers.errors import EngineShutdownError, InvalidRequestError, QueueFullError
-from workers.outputs import RequestOutput
-from workers.sampling_params import SamplingParams
-from workers.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 

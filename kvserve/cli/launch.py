@@ -1,0 +1,135 @@
+"""`kvserve up`: start (or join) Ray, deploy the app behind Ray Serve's gRPC proxy; serve until
+Ctrl-C or SIGTERM and then shut down cleanly, or (`--detach`) return and leave it running."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from cluster.app import GRPC_SERVICER_FUNCTIONS, AppConfig, build_app
+from kvserve.process import sigterm_as_interrupt
+from workers.model_executor.loader import DEFAULT_MODEL
+
+if TYPE_CHECKING:
+    from cluster.local_head import UpState
+
+APP_NAME = "kvserve"
+
+
+def load_config(path: str | None, overrides: dict[str, Any]) -> AppConfig:
+    values: dict[str, Any] = {}
+    if path:
+        import yaml
+
+        values = yaml.safe_load(Path(path).read_text()) or {}
+        if "applications" in values:  # a Serve config (infra/serve/*.yaml): its app's args
+            values = values["applications"][0].get("args") or {}
+    values |= {k: v for k, v in overrides.items() if v is not None}
+    return AppConfig.model_validate(values)
+
+
+def serve_until_interrupted(config_path: str | None, overrides: dict[str, Any],
+                            grpc_port: int) -> int:
+    """`kvserve up`: deploy as `start` does, serve until SIGINT or SIGTERM (one sent to the
+    whole process group, as `timeout` sends it, included), then take down what it started.
+    Its head is tied to this process: a SIGKILL of it takes the head down too."""
+    from cluster import local_head
+    from kvserve.cli import status as status_cli
+
+    config = load_config(config_path, overrides)
+    with sigterm_as_interrupt():
+        state = start(config, grpc_port, fate_share=True)
+        if state is None:
+            return 1
+        try:
+            print("kvserve: Ctrl-C to stop", flush=True)
+            while not state.started_head or state.head_alive():
+                time.sleep(1.0)
+            print("kvserve: the Ray head stopped (kvserve down?); exiting", flush=True)
+            local_head.remove_state()
+            return 1
+        except KeyboardInterrupt:  # further SIGINT/SIGTERM are ignored from here on
+            print("kvserve: shutting down", flush=True)
+            status_cli.down(state.address)
+            return 0
+
+
+def deploy_detached(config_path: str | None, overrides: dict[str, Any], grpc_port: int) -> int:
+    """`kvserve up --detach`: deploy as `start` does and return; `kvserve down` stops it."""
+    state = start(load_config(config_path, overrides), grpc_port, fate_share=False)
+    if state is None:
+        return 1
+    print("kvserve: check with: kvserve status; stop with: kvserve down", flush=True)
+    return 0
+
+
+def start(config: AppConfig, grpc_port: int, fate_share: bool,
+          record: bool = True) -> UpState | None:
+    """Deploy onto RAY_ADDRESS's cluster, or onto a Ray head started here as its own process
+    (cluster/local_head.py), and record it in the state file for `kvserve status` / `down`.
+    `fate_share`: the head ends when this process does. `record=False`: a deployment the caller
+    keeps to itself (`kvserve loadtest`'s), beside any recorded one. None (and a message) on
+    failure."""
+    import sys
+
+    from cluster import local_head
+
+    address = os.environ.get("RAY_ADDRESS") or None
+    previous = local_head.read_live_state() if record else None
+    if previous is not None and previous.started_head:
+        print(f"kvserve: already up (Ray head at {previous.address}, gRPC at "
+              f"127.0.0.1:{previous.grpc_port}); stop it first with: kvserve down",
+              file=sys.stderr)
+        return None
+    if address is None:
+        replicas = config.autoscaling.max_replicas if config.autoscaling else config.replicas
+        cpus = local_head.num_cpus_for(replicas * config.num_cpus_per_replica)
+        state = local_head.start_head(cpus, fate_share=fate_share)  # stops it if interrupted
+    else:
+        state = local_head.UpState(address=address, started_head=False, grpc_port=grpc_port)
+    try:
+        state.grpc_port = grpc_port
+        dashboard = _deploy(config, state, grpc_port)
+    except BaseException as exc:  # a failure, or an interrupt (Ctrl-C, SIGTERM) while deploying
+        if state.started_head:
+            local_head.stop_head(state.head_pid, state.temp_dir)
+        if isinstance(exc, Exception):
+            print(f"kvserve: deployment failed: {exc}", file=sys.stderr)
+            return None
+        raise
+    state.dashboard_url = state.dashboard_url or dashboard
+    if record:
+        local_head.write_state(state)
+    print(f"kvserve: serving {config.model or DEFAULT_MODEL} with "
+          f"{config.replicas} replica(s) on the Ray cluster at {state.address}"
+          f"{' (started by kvserve)' if state.started_head else ''}", flush=True)
+    print(f"kvserve: gRPC at 127.0.0.1:{grpc_port} (metadata application={APP_NAME})", flush=True)
+    if state.dashboard_url:
+        print(f"kvserve: Ray dashboard at {state.dashboard_url}", flush=True)
+    if state.env and "RAY_AUTH_TOKEN_PATH" in state.env:
+        print(f"kvserve: Ray auth token (dashboard, drivers) in {state.env['RAY_AUTH_TOKEN_PATH']}",
+              flush=True)
+    return state
+
+
+def _deploy(config: AppConfig, state: Any, grpc_port: int) -> str | None:
+    from ray import serve
+    from ray.serve.config import gRPCOptions
+
+    from cluster.local_head import connect_driver, disconnect_driver, free_port
+
+    context = connect_driver(state.address, state.env)
+    try:
+        serve.start(
+            grpc_options=gRPCOptions(port=grpc_port,
+                                     grpc_servicer_functions=GRPC_SERVICER_FUNCTIONS),
+            # HTTP is unused (gRPC only): a free loopback port, not 8000 shared with others
+            http_options={"host": "127.0.0.1", "port": free_port()},
+        )
+        serve.run(build_app(config), name=APP_NAME, blocking=False)
+        url = getattr(context, "dashboard_url", None)
+        return f"http://{url}" if url else None
+    finally:
+        disconnect_driver()

@@ -1,0 +1,55 @@
+"""What the engine hands back to callers, one per request per step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TokenLogprobs:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the n most likely (token id, logprob), best first
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    time_to_first_token_ms: float | None
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    token_ids: list[int]  # new tokens since the previous output
+    text: str  # new text since the previous output (never a broken UTF-8 character)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" | "abort" on the last output
+    usage: Usage | None = None  # on the last output
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class KVCacheStats:
+    """A snapshot of the KV cache: block counts now, and counters since the engine started."""
+
+    device_blocks: int
+    device_used: int  # referenced by live requests
+    device_cached: int  # unreferenced, kept for prefix hits (counted free)
+    host_blocks: int  # the CPU offload tier; 0 when off
+    host_used: int  # cached + swapped
+    host_cached: int
+    prefix_queried_tokens: int  # prompt tokens looked up (once per request)
+    prefix_hit_tokens: int  # of which were found cached (either tier)
+    preemptions: int
+    blocks_offloaded: int  # cached device blocks demoted to the host tier
+    blocks_restored: int  # host-tier prefix hits copied back
+    blocks_swapped_out: int  # preempted requests' blocks copied to the host tier
+    blocks_swapped_in: int
+    swap_bytes: int  # bytes copied between device and host, all four kinds
+    swap_seconds: float

@@ -1,0 +1,95 @@
+"""Turns one step's scheduled chunks into tensors, runs the model, returns the logits to sample."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from workers.core.kv_events import KVCopyPlan
+from workers.core.scheduler import ScheduledChunk
+from workers.model_executor.attention import AttentionMetadata
+from workers.model_executor.attention import metadata as attention_metadata
+from workers.model_executor.kv_cache import KVCacheSpec, allocate_kv_cache
+from workers.model_executor.kv_transfer import KVCopier
+from workers.model_executor.model import CausalLM
+from workers.model_executor.rope import RotaryEmbedding
+
+
+@dataclass
+class ModelInput:
+    input_ids: torch.Tensor  # [tokens] long
+    positions: torch.Tensor  # [tokens] long
+    chunk_sizes: list[int]  # tokens per chunk, in batch order
+    chunk_ends: list[int]  # sequence length at the end of each chunk (dynamic RoPE's length)
+    meta: AttentionMetadata
+    logits_rows: torch.Tensor  # [sampling chunks] long: last row of each chunk that samples
+    sampling: list[ScheduledChunk]  # in the order of logits_rows
+
+
+class ModelRunner:
+    def __init__(
+        self, model: CausalLM, spec: KVCacheSpec, num_blocks: int, rope: RotaryEmbedding,
+        backend, device: torch.device, num_host_blocks: int = 0,
+    ) -> None:
+        self.model = model
+        self.block_size = spec.block_size
+        self.kv_cache = allocate_kv_cache(spec, num_blocks, device)
+        self.host_kv_cache = allocate_kv_cache(
+            spec, num_host_blocks, torch.device("cpu"), pin_memory=device.type == "cuda")
+        # on CUDA: a side stream and pinned staging, ordered by events (kv_transfer.py)
+        self.copier = KVCopier(self.kv_cache, self.host_kv_cache)
+        self.rope = rope
+        self.backend = backend
+        self.device = device
+
+    @torch.inference_mode()
+    def copy(self, plan: KVCopyPlan) -> None:
+        """Run a step's KV copies: device->host first (their device blocks may be reused by
+        this step), then host->device. On CUDA they are asynchronous; the model's stream (the
+        current one) waits for them on the device, and device->host data reaches
+        `host_kv_cache` later (`self.copier.flush()` before reading it directly)."""
+        self.copier.copy(plan)
+
+    @torch.inference_mode()
+    def execute(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, list[ScheduledChunk]]:
+        """Compute every chunk; logits [sampling chunks, vocab] for those that reach their end."""
+        inp = self.prepare(chunks)
+        cos, sin = self.rope.lookup(inp.positions, inp.chunk_sizes, inp.chunk_ends)
+        hidden = self.model(inp.input_ids, cos, sin, self.kv_cache, inp.meta, self.backend)
+        return self.model.compute_logits(hidden[inp.logits_rows]), inp.sampling
+
+    def prepare(self, chunks: list[ScheduledChunk]) -> ModelInput:
+        """The step's tensors, all from one host->device copy (`attention.metadata.build`)."""
+        # decodes (one token with context) first, batched; then prefill chunks one by one
+        decodes = [c for c in chunks if c.num_tokens == 1 and c.start > 0]
+        prefills = [c for c in chunks if not (c.num_tokens == 1 and c.start > 0)]
+        ordered = decodes + prefills
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        rows: list[int] = []
+        sampling: list[ScheduledChunk] = []
+        for chunk in ordered:
+            start, end = chunk.start, chunk.start + chunk.num_tokens
+            ids += chunk.seq.token_ids[start:end]
+            positions += range(start, end)
+            slots += self._slots(chunk.seq.block_table, start, end)
+            if chunk.samples:
+                rows.append(len(ids) - 1)
+                sampling.append(chunk)
+        ends = [c.start + c.num_tokens for c in ordered]
+        meta, (input_ids, pos, logits_rows) = attention_metadata.build(
+            self.device, slots,
+            decodes=[(c.seq.block_table, c.start + 1) for c in decodes],
+            prefills=[(c.seq.block_table, c.num_tokens, c.start + c.num_tokens) for c in prefills],
+            block_size=self.block_size, extra=[ids, positions, rows],
+        )
+        return ModelInput(
+            input_ids=input_ids, positions=pos, chunk_sizes=[c.num_tokens for c in ordered],
+            chunk_ends=ends, meta=meta, logits_rows=logits_rows, sampling=sampling,
+        )
+
+    def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
+        bs = self.block_size
+        return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
