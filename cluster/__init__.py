@@ -1,1 +1,2 @@
-"""The distributed service: composes the engine (workers), gRPC and, later, Ray Serve."""
+"""The distributed service on Ray Serve: replicas that each own one engine (workers), the gRPC
+ingress, cache-aware routing, KV reporting to the cache manager, and the local Ray head."""
