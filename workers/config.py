@@ -130,7 +130,10 @@ class EngineConfig:
         for spec in engine_settings():
             value = getattr(self, spec.name)
             if spec.info.memory and value is not None:
-                value = parse_size(value)
+                try:
+                    value = parse_size(value)
+                except ValueError as exc:
+                    raise ValueError(f"{spec.name}: {exc}") from None
                 setattr(self, spec.name, value)
             if spec.name == "max_waiting_requests" and value is None:
                 self.max_waiting_requests = value = self.max_num_seqs
