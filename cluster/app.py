@@ -37,12 +37,13 @@ def _engine_fields() -> dict[str, Any]:
     fields: dict[str, Any] = {}
     for spec in engine_settings():
         kind: Any = spec.type
+        bounds = {"gt": spec.info.gt, "le": spec.info.le}
         if spec.info.choices:
             kind = Literal[spec.info.choices]
-        elif spec.info.memory:
-            kind = str | int | None if spec.optional else str | int
+        elif spec.info.memory:  # "1GiB" or bytes: parsed, then bounded, by EngineConfig
+            kind, bounds = (str | int | None if spec.optional else str | int), {}
         fields[spec.name] = (kind, Field(defaults[spec.name], description=spec.info.help,
-                                         gt=spec.info.gt, le=spec.info.le))
+                                         **bounds))
     return fields
 
 

@@ -99,4 +99,4 @@ def _metavar(spec: EngineSetting) -> str | None:
         return "SIZE"
     if spec.base_type is dict:
         return "JSON"
-    return spec.name.upper()
+    return {int: "N", float: "X"}.get(spec.base_type, spec.name.upper())

@@ -18,12 +18,19 @@ def add_generate(sub) -> None:
                        description="Generate a completion with the in-process engine.")
     p.add_argument("prompt", help="the prompt text (with --chat: the user message)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=128,
+                   help="most tokens to generate (default 128)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 means greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0, help="0 or -1: off")
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus sampling: smallest token set with this much probability "
+                        "(default 1.0: off)")
+    p.add_argument("--top-k", type=int, default=0,
+                   help="sample from the k most likely tokens (default 0; 0 or -1: off)")
+    p.add_argument("--min-p", type=float, default=0.0,
+                   help="drop tokens below this fraction of the top probability (default 0: "
+                        "off)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="sampling seed, for reproducible non-greedy output (default: random)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (text, token_ids, finish_reason, usage)")
