@@ -164,8 +164,13 @@ class EngineSetting(NamedTuple):
 def engine_settings() -> tuple[EngineSetting, ...]:
     """Every EngineConfig field with its type, default and SettingInfo, in declaration order."""
     hints = typing.get_type_hints(EngineConfig)
+    fields = dataclasses.fields(EngineConfig)
+    for f in fields:
+        if "setting" not in f.metadata:
+            raise TypeError(f"EngineConfig.{f.name}: declare it with setting(default, help), so "
+                            "the CLI and the Serve config get it too")
     return tuple(EngineSetting(f.name, hints[f.name], f.default, f.metadata["setting"])
-                 for f in dataclasses.fields(EngineConfig))
+                 for f in fields)
 
 
 def _check(spec: EngineSetting, value: Any) -> None:
