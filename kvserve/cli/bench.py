@@ -25,9 +25,11 @@ def add_bench(sub) -> None:
                     "reports the share of its time its projections alone take (the rest: "
                     "attention, norms, sampling, scheduling, Python).",
     )
-    t.add_argument("--requests", type=int, default=32)
-    t.add_argument("--prompt-len", type=int, default=128)
-    t.add_argument("--output-len", type=int, default=128)
+    t.add_argument("--requests", type=int, default=32, help="requests (default 32)")
+    t.add_argument("--prompt-len", type=int, default=128,
+                   help="prompt tokens each (default 128)")
+    t.add_argument("--output-len", type=int, default=128,
+                   help="output tokens each (default 128)")
     t.add_argument("--hf-sequential-requests", type=int, default=4,
                    help="HF generate() is slow: time this many requests, report tok/s")
     t.add_argument("--skip-hf", action="store_true", help="only measure kvserve")
@@ -55,8 +57,9 @@ def _add_bench_prefix(bench) -> None:
                     "memory pressure (a device pool holding --pool-fraction of the working "
                     "set) the host KV tier vs recompute-only (output tokens/s). Prints the "
                     "ratios ttft_turn5_ratio and pressure_throughput_ratio.")
-    b.add_argument("--conversations", type=int, default=8)
-    b.add_argument("--turns", type=int, default=5)
+    b.add_argument("--conversations", type=int, default=8,
+                   help="chats, run side by side (default 8)")
+    b.add_argument("--turns", type=int, default=5, help="turns per chat (default 5)")
     b.add_argument("--history-tokens", type=int, default=1500,
                    help="tokens of each chat's first message (its growing history's start)")
     b.add_argument("--output-len", type=int, default=16, help="tokens per answer (greedy)")

@@ -51,7 +51,8 @@ def _add_recall(evals) -> None:
     r.add_argument("--haystack", default="noise",
                    help="noise (the passkey filler), prose (shipped Python reference prose) or "
                         "a path to your own .txt")
-    r.add_argument("--value-kind", default="numbers", choices=["numbers", "words", "uuids"])
+    r.add_argument("--value-kind", default="numbers", choices=["numbers", "words", "uuids"],
+                   help="what the needles' values are (default numbers)")
     r.add_argument("--threshold", type=float, default=85.6,
                    help="effective length: the longest length scoring at least this (0-100)")
     _add_common(r, "eval-results/recall", "samples per (length, depth) cell (default 5)")

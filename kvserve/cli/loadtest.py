@@ -56,7 +56,7 @@ def add_loadtest(sub) -> None:
                    help="memory growth counts from here (at most a quarter of the run)")
     p.add_argument("--max-rss-growth", type=float, default=None, metavar="PCT",
                    help="exit 1 if a replica's memory grew more than PCT%% after warm-up")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     p.add_argument("--out", type=Path, default=Path("loadtest-results"),
                    help="directory for the reports (default loadtest-results)")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")

@@ -23,7 +23,8 @@ def add_up(sub) -> None:
                     "joined. --detach deploys, prints the addresses and returns; then use "
                     "`kvserve status` and `kvserve down`.")
     p.add_argument("--replicas", type=int, default=None, help="replicas (default 1)")
-    p.add_argument("--grpc-port", type=int, default=50051)
+    p.add_argument("--grpc-port", type=int, default=50051,
+                   help="port of Serve's gRPC proxy (default 50051)")
     p.add_argument("--num-gpus-per-replica", type=float, default=None,
                    help="GPUs Ray reserves per replica (default 0; 1 on GPU nodes)")
     p.add_argument("--redis-url", default=None,
