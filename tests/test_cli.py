@@ -24,26 +24,37 @@ def test_help_explains_every_command(args):
     assert "usage: kvserve" in out.stdout
 
 
-@pytest.mark.parametrize("command", [("generate",), ("up",), ("bench", "throughput")])
-def test_help_explains_every_flag(command):
-    """Every option has a help text, and --help shows every flag (the engine flags are
-    generated from workers.config, tests/test_config.py checks their defaults)."""
+def _leaf_parsers(parser=None, path=()):
+    """Every command's parser, e.g. ("bench", "serve"), walked from build_parser()."""
     import argparse
 
     from kvserve.cli import build_parser
 
-    parser = build_parser()
-    for name in command:
-        parser = next(a for a in parser._actions
-                      if isinstance(a, argparse._SubParsersAction)).choices[name]
-    text = parser.format_help()
-    for action in parser._actions:
-        for flag in action.option_strings:
-            assert flag in text, flag
-        assert action.help, action.option_strings or action.dest
+    parser = parser or build_parser()
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if path and not subs:
+        yield path, parser
+    for sub in subs:
+        for name, child in sub.choices.items():
+            yield from _leaf_parsers(child, (*path, name))
+
+
+def test_help_explains_every_flag_of_every_command():
+    """Every option has a help text, and --help shows every flag (the engine flags are
+    generated from workers.config; tests/test_config.py checks their defaults)."""
+    leaves = dict(_leaf_parsers())
+    assert {("generate",), ("up",), ("bench", "serve"), ("eval", "recall"),
+            ("loadtest",)} <= set(leaves)
+    for path, parser in leaves.items():
+        text = parser.format_help()
+        for action in parser._actions:
+            for flag in action.option_strings:
+                assert flag in text, (path, flag)
+            assert action.help, (path, action.option_strings or action.dest)
+    generate = leaves[("generate",)].format_help()
     for flag in ("--max-tokens", "--temperature", "--top-p", "--seed", "--chat", "--json",
                  "--model", "--kv-cache-memory", "--itl-target-ms", "--max-model-len"):
-        assert command != ("generate",) or flag in text, flag
+        assert flag in generate, flag
 
 
 def test_generate_json_matches_the_engine(real_engine):
