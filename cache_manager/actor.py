@@ -18,7 +18,7 @@ from pathlib import Path
 
 import ray
 
-from cache_manager.index import KVIndex, ReplicaReport
+from cache_manager.index import LEASE_TTL_S, KVIndex, ReplicaReport
 from cache_manager.manager import CacheManager, ReplicaState
 from cache_manager.redis_server import REDIS_URL_ENV, connect, remove_stale
 
@@ -76,7 +76,7 @@ class CacheManagerActor:
 
 
 def get_or_start(deployment: str, redis_url: str | None = None,
-                 lease_ttl_s: float = 10.0) -> ray.actor.ActorHandle:
+                 lease_ttl_s: float = LEASE_TTL_S) -> ray.actor.ActorHandle:
     return CacheManagerActor.options(
         name=manager_name(deployment), namespace=MANAGER_NAMESPACE, lifetime="detached",
         get_if_exists=True,

@@ -28,6 +28,12 @@ from dataclasses import asdict, dataclass, field
 import redis
 
 TIERS = ("device", "host")
+# The cache manager's two timings, defined here once (AppConfig, the deployment and the actor
+# read them). A replica's index entries expire this long after its last report, so a dead
+# replica's blocks leave routing within it; replicas report at least every second (heartbeat)
+LEASE_TTL_S = 10.0
+# replicas batch their KV events this long before reporting: fresh enough for routing, few calls
+REPORT_INTERVAL_MS = 50.0
 
 
 @dataclass
@@ -56,7 +62,8 @@ class ReplicaReport:
 
 
 class KVIndex:
-    def __init__(self, client: redis.Redis, deployment: str, lease_ttl_s: float = 10.0) -> None:
+    def __init__(self, client: redis.Redis, deployment: str,
+                 lease_ttl_s: float = LEASE_TTL_S) -> None:
         if lease_ttl_s <= 0:
             raise ValueError("lease_ttl_s must be positive")
         self.client = client

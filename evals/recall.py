@@ -26,6 +26,7 @@ from evals.results import SampleLog, metric_entry, write_csv, write_results
 from evals.rope_variants import RopeVariant
 from evals.scoring import TASK_METRICS, score_sample, summarize_cell
 from workers.config import EngineConfig
+from workers.model_executor.loader import DEFAULT_MODEL
 
 VERSION = 1
 MAIN_METRIC = "string_match_all"  # RULER's headline score, 0-100 in the report
@@ -189,7 +190,7 @@ def effective_length(by_length: dict[int, dict[float, float]], threshold: float)
 
 def _write_files(cfg: RecallConfig, results: dict, n_samples: dict, rows: list[dict],
                  curves: dict, trained: int | None) -> list[str]:
-    config = {"model": cfg.engine.get("model") or "SmolLM2-135M-Instruct",
+    config = {"model": cfg.engine.get("model") or DEFAULT_MODEL,
               "tasks": cfg.tasks, "lengths": cfg.lengths, "depths": cfg.depths,
               "rope": [v.name for v in cfg.variants], "samples": cfg.samples, "seed": cfg.seed,
               "haystack": cfg.haystack_name, "value_kind": cfg.value_kind,

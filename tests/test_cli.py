@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.helpers import solo_ids
+from tests.helpers import output_ids, solo_ids
 
 KVSERVE = [sys.executable, "-m", "kvserve"]
 
@@ -17,24 +17,44 @@ def run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([*KVSERVE, *args], capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.parametrize("args", [[], ["generate"], ["bench", "throughput"]])
+@pytest.mark.parametrize("args", [[], ["generate"], ["bench", "throughput"], ["up"]])
 def test_help_explains_every_command(args):
     out = run(*args, "--help")
     assert out.returncode == 0
     assert "usage: kvserve" in out.stdout
-    if args == ["generate"]:
-        for flag in (
-            "--max-tokens",
-            "--temperature",
-            "--top-p",
-            "--top-k",
-            "--seed",
-            "--chat",
-            "--json",
-            "--model",
-            "--kv-cache-memory",
-        ):
-            assert flag in out.stdout
+
+
+def _leaf_parsers(parser=None, path=()):
+    """Every command's parser, e.g. ("bench", "serve"), walked from build_parser()."""
+    import argparse
+
+    from kvserve.cli import build_parser
+
+    parser = parser or build_parser()
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if path and not subs:
+        yield path, parser
+    for sub in subs:
+        for name, child in sub.choices.items():
+            yield from _leaf_parsers(child, (*path, name))
+
+
+def test_help_explains_every_flag_of_every_command():
+    """Every option has a help text, and --help shows every flag (the engine flags are
+    generated from workers.config; tests/test_config.py checks their defaults)."""
+    leaves = dict(_leaf_parsers())
+    assert {("generate",), ("up",), ("bench", "serve"), ("eval", "recall"),
+            ("loadtest",)} <= set(leaves)
+    for path, parser in leaves.items():
+        text = parser.format_help()
+        for action in parser._actions:
+            for flag in action.option_strings:
+                assert flag in text, (path, flag)
+            assert action.help, (path, action.option_strings or action.dest)
+    generate = leaves[("generate",)].format_help()
+    for flag in ("--max-tokens", "--temperature", "--top-p", "--seed", "--chat", "--json",
+                 "--model", "--kv-cache-memory", "--itl-target-ms", "--max-model-len"):
+        assert flag in generate, flag
 
 
 def test_generate_json_matches_the_engine(real_engine):
@@ -61,10 +81,29 @@ def test_generate_json_matches_the_engine(real_engine):
     assert result["usage"]["completion_tokens"] == len(ids)
 
 
-def test_generate_streams_text_to_the_terminal():
+def test_generate_streams_the_engines_greedy_text_to_the_terminal(real_engine):
+    """What reaches the terminal is the in-process engine's greedy completion, exactly, then
+    a newline (negative control, by hand: printing each piece twice, or the token ids, fails)."""
     out = run("generate", "Once upon a time", "--max-tokens", "12", "--kv-cache-memory", "64MiB")
     assert out.returncode == 0, out.stderr
-    assert len(out.stdout.strip()) > 10
+    outputs = next(iter(real_engine.generate_all(
+        [{"prompt": "Once upon a time", "params": {"max_tokens": 12, "temperature": 0}}]
+    ).values()))
+    text = "".join(o.text for o in outputs)
+    assert len(output_ids(outputs)) == 12 and text.strip()
+    assert out.stdout == text + "\n"
+
+
+def test_a_missing_model_is_one_clear_line():
+    """No traceback from the hub client: one line naming what was looked for, exit code 2."""
+    for model in ("/nonexistent", "not a hub id!"):
+        out = run("generate", "Hi", "--model", model)
+        assert out.returncode == 2, out.stderr
+        lines = out.stderr.strip().splitlines()
+        assert len(lines) == 1, out.stderr
+        assert lines[0].startswith(
+            f"kvserve: no model directory, .gguf file or hub id named {model!r}"), lines
+        assert "Traceback" not in out.stderr and out.stdout == ""
 
 
 def test_bad_input_is_a_clear_error_not_a_traceback():

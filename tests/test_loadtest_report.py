@@ -10,7 +10,7 @@ import pytest
 from cluster.memory_watch import MemorySample, MiB, memory_report, plot_memory, write_csv
 from kvserve.bench.loadtest import LoadtestSummary
 from kvserve.bench.loadtest_report import baseline_table, first_refusing, plot_baseline
-from kvserve.cli.loadtest import _user_counts, seconds
+from kvserve.cli.types import positive_ints, seconds
 
 
 def test_memory_growth_counts_from_the_first_sample_after_warmup(tmp_path):
@@ -50,9 +50,9 @@ def test_baseline_marks_where_admission_control_starts_refusing(tmp_path):
 
 def test_durations_and_user_counts_parse_or_explain():
     assert [seconds("30s"), seconds("10m"), seconds("90")] == [30, 600, 90]
-    assert _user_counts("1,8,32,64") == [1, 8, 32, 64]
+    assert positive_ints("1,8,32,64") == [1, 8, 32, 64]
     for bad in ("ten", "0", ""):
         with pytest.raises(argparse.ArgumentTypeError):
-            _user_counts(bad)
+            positive_ints(bad)
     with pytest.raises(argparse.ArgumentTypeError, match="30s or 10m"):
         seconds("5 minutes")

@@ -28,6 +28,7 @@ from workers.model_executor.attention import PagedAttention, make_backend, resol
 from workers.model_executor.cpu_kernels import load_cpu_kernels
 from workers.model_executor.kv_cache import KVCacheSpec
 from workers.model_executor.loader import (
+    DEFAULT_MODEL,
     LoadedCheckpoint,
     cache_root,
     load_checkpoint,
@@ -106,7 +107,7 @@ class LLMEngine:
         )
         self.eos_token_ids = _eos_ids(ckpt)
         self.info = ModelInfo(
-            name=config.model or "SmolLM2-135M-Instruct",
+            name=config.model or DEFAULT_MODEL,
             vocab_size=self.vocab_size,
             max_model_len=self.max_model_len,
             rope_parameters=dict(ckpt.config.rope_parameters),

@@ -41,3 +41,17 @@ class EngineShutdownError(RuntimeError):
 
     def __reduce__(self):
         return type(self), (str(self),)
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """No model directory, .gguf file or hub id by that name: a user's typo, said in one line
+    by the front ends (the CLI exits 2) instead of the hub client's traceback."""
+
+    def __init__(self, model: str, reason: str = "") -> None:
+        super().__init__(f"no model directory, .gguf file or hub id named {model!r}"
+                         + (f" ({reason})" if reason else ""))
+        self.model = model
+        self.reason = reason
+
+    def __reduce__(self):
+        return type(self), (self.model, self.reason)

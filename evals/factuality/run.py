@@ -23,6 +23,7 @@ from evals.factuality import closed_book, grounded
 from evals.generation import GenRequest, make_generator
 from evals.results import SampleLog, metric_entry, write_csv, write_results
 from workers.config import EngineConfig
+from workers.model_executor.loader import DEFAULT_MODEL
 
 VERSION = 1
 SUITES = ("closed_book", "grounded")
@@ -177,7 +178,7 @@ def _row(suite: str, setting: dict, n: int, rates: dict) -> dict[str, Any]:
 
 def _write_files(cfg: FactualityConfig, results: dict, n_samples: dict, rows: list[dict],
                  series: dict) -> list[str]:
-    config = {"model": cfg.engine.get("model") or "SmolLM2-135M-Instruct",
+    config = {"model": cfg.engine.get("model") or DEFAULT_MODEL,
               "suites": cfg.suites, "sweep": cfg.sweep, "samples": cfg.samples,
               "dataset": str(cfg.dataset) if cfg.dataset else "evals/data/closed_book.jsonl",
               "seed": cfg.seed, "target": cfg.target}

@@ -11,6 +11,8 @@ from contextlib import contextmanager, redirect_stdout
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvserve.cli.types import positive_ints, seconds
+
 if TYPE_CHECKING:
     from cluster.local_head import UpState
 
@@ -32,7 +34,7 @@ after --warmup."""
 def add_loadtest(sub) -> None:
     p = sub.add_parser("loadtest", help="headless Locust load over gRPC, with a one-screen summary",
                        description=DESCRIPTION, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--users", type=_user_counts, default=[8],
+    p.add_argument("--users", type=positive_ints, default=[8],
                    help="concurrent users, or a comma list for a sweep (default 8)")
     p.add_argument("--spawn-rate", type=float, default=8.0, help="users started per second")
     p.add_argument("--run-time", type=seconds, default=60.0, help="per load, e.g. 30s, 10m "
@@ -54,7 +56,7 @@ def add_loadtest(sub) -> None:
                    help="memory growth counts from here (at most a quarter of the run)")
     p.add_argument("--max-rss-growth", type=float, default=None, metavar="PCT",
                    help="exit 1 if a replica's memory grew more than PCT%% after warm-up")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     p.add_argument("--out", type=Path, default=Path("loadtest-results"),
                    help="directory for the reports (default loadtest-results)")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
@@ -175,24 +177,3 @@ def _exit_code(args: argparse.Namespace, summaries: list) -> int:
         print("kvserve: --max-rss-growth: no replica memory was read", file=sys.stderr)
         return 1
     return 1 if grown else 0
-
-
-def seconds(text: str) -> float:
-    """'30s', '10m', '1h' or a plain number of seconds."""
-    units = {"s": 1, "m": 60, "h": 3600}
-    try:
-        if text and text[-1] in units:
-            return float(text[:-1]) * units[text[-1]]
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a duration like 30s or 10m") from None
-
-
-def _user_counts(text: str) -> list[int]:
-    try:
-        counts = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        counts = []
-    if not counts or min(counts) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: give a user count or a list like 1,8,32")
-    return counts

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from workers.errors import ModelNotFoundError
+
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -45,9 +47,33 @@ def resolve_model_dir(model: str | None) -> Path:
         if not list(path.glob("*.safetensors")) and ggufs:
             return _converted_gguf(ggufs[0], path.name)
         return path
+    if _looks_like_path(model):
+        raise ModelNotFoundError(model, "no such file or directory")
     from huggingface_hub import snapshot_download  # a hub id, where the network allows
+    from huggingface_hub.errors import (
+        HFValidationError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
 
-    return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.model"]))
+    try:
+        return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors",
+                                                             "*.model"]))
+    except HFValidationError:
+        raise ModelNotFoundError(model, "not a path, and not a valid hub id") from None
+    except (RepositoryNotFoundError, RevisionNotFoundError):
+        raise ModelNotFoundError(model, "not a path, and the hub has no such model") from None
+    except LocalEntryNotFoundError:
+        raise ModelNotFoundError(
+            model, "not a path, not in the hub cache, and the hub is not reachable") from None
+
+
+def _looks_like_path(model: str) -> bool:
+    """A filesystem path rather than a hub id (`org/name`): absolute, relative with ./ or ~,
+    more than one '/', or a .gguf file name."""
+    return (model.startswith(("/", ".", "~")) or model.count("/") > 1
+            or model.endswith(".gguf"))
 
 
 def _smollm2_gguf() -> Path:

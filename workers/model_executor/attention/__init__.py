@@ -8,11 +8,10 @@ from types import ModuleType
 
 import torch
 
+from workers.config import ATTENTION_BACKENDS as BACKENDS  # defined once, with the settings
 from workers.model_executor.attention.flash_backend import FlashAttention, default_provider_name
 from workers.model_executor.attention.metadata import AttentionMetadata, PrefillSegment
 from workers.model_executor.attention.torch_backend import PagedAttention, TorchAttention
-
-BACKENDS = ("auto", "torch", "cpu", "flash_attn")
 
 
 def resolve_backend_name(name: str, device: torch.device) -> str:

@@ -1,0 +1,143 @@
+"""`kvserve bench throughput|prefix|serve`: kvserve against peer baselines (kvserve.bench)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from kvserve.cli.engine_args import add_engine_args, engine_config
+from kvserve.cli.types import positive_ints
+
+
+def add_bench(sub) -> None:
+    p = sub.add_parser("bench", help="benchmarks against peer baselines")
+    bench = p.add_subparsers(title="benchmarks")
+    t = bench.add_parser(
+        "throughput",
+        help="kvserve's engine vs HF generate() and generate_batch(), same model and prompts",
+        description="Output tokens/s of kvserve's engine, HF generate() one request at a time "
+                    "and HF generate_batch(), plus batch-1 decode ms/token vs the memory-"
+                    "bandwidth limit (weight bytes / a sum() over a fresh 512 MB buffer, probed "
+                    "just before and after the decode) and vs a sum() over the model's own "
+                    "weights. HF runs in the engine's --dtype; with bfloat16 on a CPU a float32 "
+                    "kvserve engine runs the same workload beside it. Each kvserve run also "
+                    "reports the share of its time its projections alone take (the rest: "
+                    "attention, norms, sampling, scheduling, Python).",
+    )
+    t.add_argument("--requests", type=int, default=32, help="requests (default 32)")
+    t.add_argument("--prompt-len", type=int, default=128,
+                   help="prompt tokens each (default 128)")
+    t.add_argument("--output-len", type=int, default=128,
+                   help="output tokens each (default 128)")
+    t.add_argument("--hf-sequential-requests", type=int, default=4,
+                   help="HF generate() is slow: time this many requests, report tok/s")
+    t.add_argument("--skip-hf", action="store_true", help="only measure kvserve")
+    t.add_argument("--repeats", type=int, default=1,
+                   help="rounds, each timing every contender in turn; each reports its best "
+                        "round (a shared machine's slow rounds measure its neighbours)")
+    t.add_argument("--json", action="store_true",
+                   help="print one JSON object (kvserve_tok_s, hf_generate_tok_s, "
+                        "hf_generate_batch_tok_s, decode_ms_per_token, "
+                        "bandwidth_limit_ms_per_token, decode_vs_bandwidth_limit, "
+                        "weights_read_ms, matmul_share, speedups, with a reduced dtype on "
+                        "CPU fp32_kvserve_tok_s, fp32_matmul_share, speedup_vs_fp32; runs: "
+                        "every round's numbers)")
+    add_engine_args(t)
+    t.set_defaults(run=_run_bench_throughput)
+    _add_bench_serve(bench)
+    _add_bench_prefix(bench)
+
+
+def _add_bench_prefix(bench) -> None:
+    b = bench.add_parser(
+        "prefix", help="multi-turn chats: prefix caching on vs off, host KV tier on vs off",
+        description="Multi-turn chats with a growing history, in-process, four settings: no "
+                    "caching vs prefix caching (time to first token per turn, p50), and under "
+                    "memory pressure (a device pool holding --pool-fraction of the working "
+                    "set) the host KV tier vs recompute-only (output tokens/s). Prints the "
+                    "ratios ttft_turn5_ratio and pressure_throughput_ratio.")
+    b.add_argument("--conversations", type=int, default=8,
+                   help="chats, run side by side (default 8)")
+    b.add_argument("--turns", type=int, default=5, help="turns per chat (default 5)")
+    b.add_argument("--history-tokens", type=int, default=1500,
+                   help="tokens of each chat's first message (its growing history's start)")
+    b.add_argument("--output-len", type=int, default=16, help="tokens per answer (greedy)")
+    b.add_argument("--pool-fraction", type=float, default=0.25,
+                   help="device KV pool under pressure, as a fraction of the working set")
+    b.add_argument("--json", action="store_true",
+                   help="print one JSON object (settings, ttft_turn5_ratio, "
+                        "pressure_throughput_ratio, outputs_identical, config)")
+    add_engine_args(b)
+    b.set_defaults(run=_run_bench_prefix)
+
+
+def _run_bench_prefix(args: argparse.Namespace) -> int:
+    from kvserve.bench.prefix import run_prefix_bench
+
+    report = run_prefix_bench(
+        engine_config(args), conversations=args.conversations, turns=args.turns,
+        history_tokens=args.history_tokens, output_len=args.output_len,
+        pool_fraction=args.pool_fraction, progress=not args.json)
+    print(json.dumps(report, indent=2) if args.json else report["summary"])
+    return 0
+
+
+def _run_bench_throughput(args: argparse.Namespace) -> int:
+    from kvserve.bench.throughput import run_throughput_bench
+
+    report = run_throughput_bench(
+        engine_config(args), requests=args.requests, prompt_len=args.prompt_len,
+        output_len=args.output_len, hf_sequential_requests=args.hf_sequential_requests,
+        skip_hf=args.skip_hf, repeats=args.repeats, progress=not args.json,
+    )
+    print(json.dumps(report, indent=2) if args.json else report["summary"])
+    return 0
+
+
+def _add_bench_serve(bench) -> None:
+    s = bench.add_parser(
+        "serve",
+        help="a running service over gRPC vs the in-process engine: tok/s, TTFT, ITL",
+        description="Drive a running kvserve service (e.g. `kvserve up`) over gRPC with N greedy "
+                    "requests (random prompt token ids, ignore_eos, exactly --output-len tokens "
+                    "each) at each concurrency level, then run the same workload on an "
+                    "in-process engine built like a replica (model from the ModelInfo RPC). "
+                    "Prints output tokens/s of both and their ratio (service/engine), time to "
+                    "first token and inter-token latency (p50/p99, ms) per level.",
+    )
+    s.add_argument("--target", required=True, metavar="HOST:PORT",
+                   help="gRPC address of the service, e.g. 127.0.0.1:50051")
+    s.add_argument("--concurrency", type=positive_ints, default=[1, 8, 32], metavar="N,N,...",
+                   help="streams in flight at once, one level each (default 1,8,32)")
+    s.add_argument("--requests", type=int, default=64, help="requests per level (default 64)")
+    s.add_argument("--prompt-len", type=int, default=128, help="prompt tokens (default 128)")
+    s.add_argument("--output-len", type=int, default=128, help="output tokens (default 128)")
+    s.add_argument("--engine-threads", type=int, default=1,
+                   help="torch threads of the in-process engine; match the replica's CPUs "
+                        "(Ray gives a replica num_cpus_per_replica threads, 1 by default); "
+                        "0: torch's default")
+    s.add_argument("--skip-engine", action="store_true",
+                   help="only measure the service (no in-process engine, no ratio)")
+    s.add_argument("--json", action="store_true",
+                   help="print one JSON object: levels (concurrency, service_tok_s, engine_tok_s, "
+                        "ratio, ttft_p50_ms, ttft_p99_ms, itl_p50_ms, itl_p99_ms, ...) and config")
+    s.set_defaults(run=_run_bench_serve)
+
+
+def _run_bench_serve(args: argparse.Namespace) -> int:
+    import grpc
+
+    from kvserve.bench.serve import run_serve_bench, summarize
+
+    try:
+        report = run_serve_bench(
+            args.target, concurrency=args.concurrency, requests=args.requests,
+            prompt_len=args.prompt_len, output_len=args.output_len,
+            skip_engine=args.skip_engine, engine_threads=args.engine_threads,
+            progress=not args.json)
+    except grpc.RpcError as exc:
+        print(f"kvserve: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    print(json.dumps(report.to_dict(), indent=2) if args.json else summarize(report))
+    return 0

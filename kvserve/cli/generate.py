@@ -1,0 +1,116 @@
+"""`kvserve generate`: one completion, in-process (the engine flags build its EngineConfig) or
+streamed from a running deployment over gRPC (--target)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from typing import Any
+
+from kvserve.cli.engine_args import add_engine_args, engine_config
+from workers.config import EngineConfig
+
+
+def add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="generate text in-process and stream it to the terminal",
+                       description="Generate a completion with the in-process engine.")
+    p.add_argument("prompt", help="the prompt text (with --chat: the user message)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    p.add_argument("--max-tokens", type=int, default=128,
+                   help="most tokens to generate (default 128)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 means greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus sampling: smallest token set with this much probability "
+                        "(default 1.0: off)")
+    p.add_argument("--top-k", type=int, default=0,
+                   help="sample from the k most likely tokens (default 0; 0 or -1: off)")
+    p.add_argument("--min-p", type=float, default=0.0,
+                   help="drop tokens below this fraction of the top probability (default 0: "
+                        "off)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="sampling seed, for reproducible non-greedy output (default: random)")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object (text, token_ids, finish_reason, usage)")
+    p.add_argument("--target", default=None, metavar="HOST:PORT",
+                   help="stream from a running deployment over gRPC instead of in-process")
+    add_engine_args(p)
+    p.set_defaults(run=_run_generate)
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from workers.errors import InvalidRequestError
+
+    params: dict[str, Any] = {
+        "max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
+        "top_k": args.top_k, "min_p": args.min_p, "seed": args.seed, "stop": args.stop,
+    }
+    prompt = {"messages": [{"role": "user", "content": args.prompt}]} if args.chat else {
+        "prompt": args.prompt}
+    if args.target:
+        return _generate_remote(args.target, prompt, params, args.json)
+    try:
+        result = asyncio.run(_stream(engine_config(args), prompt, params, echo=not args.json))
+    except InvalidRequestError as exc:
+        print(f"kvserve: invalid request: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
+def _generate_remote(target: str, prompt: dict, params: dict, as_json: bool) -> int:
+    import grpc
+
+    from cluster.client import Client, finish_reason_name
+
+    params = {k: v for k, v in params.items() if v is not None and v != []}
+    text, ids, last = [], [], None
+    try:
+        with Client(target) as client:
+            for msg in client.generate(prompt.get("prompt"), messages=prompt.get("messages"),
+                                       **params):
+                text.append(msg.text)
+                ids += msg.token_ids
+                last = msg
+                if not as_json:
+                    print(msg.text, end="", flush=True)
+    except grpc.RpcError as exc:
+        print(f"kvserve: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 2 if exc.code() == grpc.StatusCode.INVALID_ARGUMENT else 1
+    if as_json:
+        from google.protobuf.json_format import MessageToDict
+
+        print(json.dumps({
+            "text": "".join(text), "token_ids": ids,
+            "finish_reason": finish_reason_name(last.finish_reason) if last else None,
+            "usage": MessageToDict(last.usage, preserving_proto_field_name=True) if last else None,
+        }))
+    else:
+        print()
+    return 0
+
+
+
+async def _stream(config: EngineConfig, prompt: dict, params: dict, echo: bool) -> dict:
+    from workers.async_engine import AsyncLLMEngine
+    from workers.engine import LLMEngine
+
+    engine = AsyncLLMEngine(LLMEngine(config))
+    text, ids, last = [], [], None
+    try:
+        async for out in engine.generate(**prompt, params=params):
+            text.append(out.text)
+            ids += out.token_ids
+            last = out
+            if echo:
+                print(out.text, end="", flush=True)
+    finally:
+        await engine.shutdown()
+    if echo:
+        print()
+    usage = vars(last.usage) if last and last.usage else None
+    return {"text": "".join(text), "token_ids": ids,
+            "finish_reason": last.finish_reason if last else None, "usage": usage}

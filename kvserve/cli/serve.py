@@ -1,0 +1,103 @@
+"""`kvserve up`, `down`, `status` and `cache check`: deploy on Ray Serve (launch.py), then
+inspect and stop the deployment (status.py)."""
+
+from __future__ import annotations
+
+import argparse
+
+from kvserve.cli.engine_args import add_engine_args, engine_kwargs
+
+
+def add_serve_commands(sub) -> None:
+    add_up(sub)
+    add_down(sub)
+    add_status(sub)
+    add_cache(sub)
+
+
+def add_up(sub) -> None:
+    p = sub.add_parser(
+        "up", help="start a local Ray cluster (or join RAY_ADDRESS) and serve over gRPC",
+        description="Deploy kvserve on Ray Serve and serve gRPC until Ctrl-C. Without "
+                    "RAY_ADDRESS a local Ray cluster is started; with it, that cluster is "
+                    "joined. --detach deploys, prints the addresses and returns; then use "
+                    "`kvserve status` and `kvserve down`.")
+    p.add_argument("--replicas", type=int, default=None, help="replicas (default 1)")
+    p.add_argument("--grpc-port", type=int, default=50051,
+                   help="port of Serve's gRPC proxy (default 50051)")
+    p.add_argument("--num-gpus-per-replica", type=float, default=None,
+                   help="GPUs Ray reserves per replica (default 0; 1 on GPU nodes)")
+    p.add_argument("--redis-url", default=None,
+                   help="Redis for the cache manager's index (default: $REDIS_URL, else an "
+                        "embedded redis-server)")
+    p.add_argument("--config", default=None,
+                   help="YAML of AppConfig fields, or a Serve config like infra/serve/cpu.yaml")
+    p.add_argument("--detach", action="store_true",
+                   help="deploy and exit, leaving the service running (a local Ray head is "
+                        "started as its own process unless RAY_ADDRESS is set); stop it with "
+                        "`kvserve down`")
+    add_engine_args(p, "serve", overrides=True)  # each replica's engine: every setting
+    p.set_defaults(run=_run_up)
+
+
+def _run_up(args: argparse.Namespace) -> int:
+    from kvserve.cli.launch import serve_until_interrupted
+
+    overrides = engine_kwargs(args) | {
+        "replicas": args.replicas, "num_gpus_per_replica": args.num_gpus_per_replica,
+        "redis_url": args.redis_url}
+    if args.detach:
+        from kvserve.cli.launch import deploy_detached
+
+        return deploy_detached(args.config, overrides, args.grpc_port)
+    return serve_until_interrupted(args.config, overrides, args.grpc_port)
+
+
+_ADDRESS_HELP = ("Ray cluster address (default: RAY_ADDRESS, else the cluster `kvserve up "
+                 "--detach` started, else the last `ray start` on this machine)")
+
+
+def add_down(sub) -> None:
+    p = sub.add_parser(
+        "down", help="stop a detached deployment (`kvserve up --detach`)",
+        description="Delete the kvserve application from Ray Serve; if `kvserve up --detach` "
+                    "started the Ray head, stop that head too (only its own processes). "
+                    "Exits 1 when nothing is running.")
+    p.add_argument("--address", default=None, help=_ADDRESS_HELP)
+    p.set_defaults(run=lambda args: _status_cli().down(args.address))
+
+
+def add_status(sub) -> None:
+    p = sub.add_parser(
+        "status", help="replicas, their state, running/waiting requests and KV usage",
+        description="Show the kvserve application's state, its replicas by state and, per "
+                    "replica, its pid, state, running and waiting requests and KV-cache usage "
+                    "(published by each replica every second). Exits 1 when nothing is "
+                    "deployed.")
+    p.add_argument("--address", default=None, help=_ADDRESS_HELP)
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object: application, status, deployments (status, "
+                        "replica_states), replicas (replica_id, pid, state, running, waiting, "
+                        "kv_cache_usage, ...)")
+    p.set_defaults(run=lambda args: _status_cli().status(args.address, args.json))
+
+
+def add_cache(sub) -> None:
+    p = sub.add_parser("cache", help="inspect the cluster's KV cache index")
+    cache = p.add_subparsers(title="cache commands")
+    c = cache.add_parser(
+        "check", help="compare the cache manager's Redis index with every replica's KV blocks",
+        description="Ask every replica to send its pending KV events and report what it holds "
+                    "(cached block hashes per tier, live requests), and compare that with the "
+                    "cache manager's Redis index. Prints every discrepancy; exits 1 if any.")
+    c.add_argument("--address", default=None, help=_ADDRESS_HELP)
+    c.add_argument("--json", action="store_true",
+                   help='print {"deployment": ..., "discrepancies": [...]}')
+    c.set_defaults(run=lambda args: _status_cli().cache_check(args.address, args.json))
+    p.set_defaults(run=lambda args: (p.print_help(), 2)[1])
+
+
+def _status_cli():
+    from kvserve.cli import status as status_cli
+
+    return status_cli

@@ -1,0 +1,98 @@
+"""argparse `type=` converters shared by the commands: each turns one word of the command line
+into a value, or raises ArgumentTypeError with a message that says what was expected (argparse
+prints it as a one-line usage error, exit code 2)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from workers.config import parse_size
+
+T = TypeVar("T")
+
+
+def seconds(text: str) -> float:
+    """'30s', '10m', '1h' or a plain number of seconds."""
+    units = {"s": 1, "m": 60, "h": 3600}
+    try:
+        if text and text[-1] in units:
+            return float(text[:-1]) * units[text[-1]]
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration like 30s or 10m") from None
+
+
+def words(text: str) -> list[str]:
+    """'a,b' -> ['a', 'b']; with a ';' anywhere, ';' separates (so items may contain ',')."""
+    sep = ";" if ";" in text else ","
+    return [w.strip() for w in text.split(sep) if w.strip()]
+
+
+def positive_ints(text: str) -> list[int]:
+    """'1,8,32' -> [1, 8, 32]: concurrency levels, user counts (at least one, each >= 1)."""
+    try:
+        values = [int(w) for w in words(text)]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give a positive integer or a comma list like 1,8,32")
+    return values
+
+
+def floats(text: str) -> list[float]:
+    """'0,25,50' -> [0.0, 25.0, 50.0]."""
+    try:
+        return [float(w) for w in words(text)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give numbers like 0,25,50") from None
+
+
+def token_lengths(text: str) -> list[int]:
+    """'1k,2k,500' -> [1024, 2048, 500] (k = 1,024 tokens: 4k, 8k, 16k are RULER's 4096...)."""
+    out = []
+    for word in words(text):
+        scale = 1024 if word.lower().endswith("k") else 1
+        try:
+            out.append(int(float(word.lower().removesuffix("k")) * scale))
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: give token counts like 1k,2k,4k") from None
+    return out
+
+
+def memory_size(text: str) -> int:
+    """'2GiB', '512MiB' or a byte count -> bytes."""
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """A JSON object, e.g. '{"rope_type": "yarn", "factor": 4.0}'."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"need a JSON object ({{...}}), got {text!r}")
+    return value
+
+
+def or_none(convert: Callable[[str], T]) -> Callable[[str], T | None]:
+    """`convert`, but the word 'none' gives None (a setting whose None means "off" or "auto")."""
+    def parse(text: str) -> T | None:
+        if text.strip().lower() == "none":
+            return None
+        try:
+            return convert(text)
+        except ValueError:  # int('x'): argparse would say only "invalid parse value"
+            kind = getattr(convert, "__name__", "value")
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {kind} (or none)") from None
+
+    parse.__name__ = getattr(convert, "__name__", "value")
+    return parse
