@@ -14,6 +14,9 @@ so runs inside the proxy actor.
 
 Also, a stream whose replica died under it (killed, or stopped by a shutdown past its graceful
 wait) ends UNAVAILABLE, the retryable code, where Ray reports INTERNAL.
+
+Both rely on Ray Serve internals (the proxy server's handler factory, Ray's error wording):
+those uses live in `cluster.ray_compat`.
 """
 
 from __future__ import annotations
@@ -26,20 +29,18 @@ from typing import Any
 
 import grpc
 
+from cluster.ray_compat import is_replica_death, replace_proxy_handler_factory
 from kvserve.v1.generation_pb2_grpc import add_GenerationServicer_to_server
 
 logger = logging.getLogger(__name__)
 _END = object()
-_REPLICA_DIED = ("actor died", "actor is dead")  # Ray's words for an ActorDiedError
 
 
 def add_generation_servicer(servicer: Any, server: Any) -> None:
     """A `grpc_servicer_functions` entry: Ray's proxy calls it with its gRPC server."""
-    factory = getattr(server, "service_handler_factory", None)
-    if factory is None:  # not Ray's proxy server (or Ray changed): register as it is
+    if not replace_proxy_handler_factory(server, _cancel_safe_factory):
+        # not Ray's proxy server (or Ray changed): register as it is
         logger.warning("gRPC server has no service_handler_factory; cancel guard not applied")
-    else:
-        server.service_handler_factory = _cancel_safe_factory(factory)
     add_GenerationServicer_to_server(servicer, server)
 
 
@@ -70,8 +71,7 @@ def cancel_safe(handler: Callable[..., AsyncIterator[Any]]) -> Callable[..., Any
 
 
 def _replica_death_is_unavailable(context: Any) -> None:
-    details = (context.details() or "").lower()
-    if context.code() == grpc.StatusCode.INTERNAL and any(s in details for s in _REPLICA_DIED):
+    if is_replica_death(context.code(), context.details()):
         context.set_code(grpc.StatusCode.UNAVAILABLE)
 
 

@@ -35,7 +35,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from kvserve.process import cmdline, die_with_parent, pid_alive, sigterm_handler_kept
+from cluster.ray_compat import reload_auth_config, sigterm_handler_kept
+from kvserve.process import cmdline, die_with_parent, pid_alive
 from workers.model_executor.loader import cache_root
 
 STATE_FILE = "up.json"
@@ -113,10 +114,7 @@ def apply_env(env: dict[str, str] | None) -> None:
         os.environ.pop("RAY_AUTH_TOKEN", None)  # it would win over the head's own token file
     os.environ.update(env)
     if "RAY_AUTH_MODE" in env:
-        from ray._raylet import AuthenticationTokenLoader, Config
-
-        Config.initialize("")  # Ray reads RAY_AUTH_MODE when imported; re-read it (as Ray does)
-        AuthenticationTokenLoader.instance().reset_cache()  # and the token, from the new path
+        reload_auth_config()  # Ray read RAY_AUTH_MODE when imported, and may have cached a token
 
 
 def connect_driver(address: str, env: dict[str, str] | None = None, **init_kwargs: Any) -> Any:

@@ -16,6 +16,8 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 
+from cluster import ray_compat
+
 KEY_PREFIX = "kvserve/replicas/"
 NAMESPACE = "kvserve"
 PUBLISH_INTERVAL_S = 1.0
@@ -87,17 +89,12 @@ def _key(replica_id: str) -> bytes:
 
 
 def put(row: ReplicaStatus) -> None:
-    from ray.experimental.internal_kv import _internal_kv_put
-
-    _internal_kv_put(_key(row.replica_id), row.to_json(), overwrite=True, namespace=NAMESPACE)
+    ray_compat.kv_put(_key(row.replica_id), row.to_json(), namespace=NAMESPACE)
 
 
 def read_all() -> list[ReplicaStatus]:
     """Every stored row, stale ones included."""
-    from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_list
-
-    keys = _internal_kv_list(KEY_PREFIX, namespace=NAMESPACE)
-    return parse_rows(_internal_kv_get(key, namespace=NAMESPACE) for key in keys)
+    return parse_rows(ray_compat.kv_get_prefix(KEY_PREFIX, namespace=NAMESPACE))
 
 
 def read_current(live_ids: Iterable[str] | None = None) -> dict[str, ReplicaStatus]:
@@ -105,9 +102,7 @@ def read_current(live_ids: Iterable[str] | None = None) -> dict[str, ReplicaStat
 
 
 def delete_all() -> None:
-    from ray.experimental.internal_kv import _internal_kv_del
-
-    _internal_kv_del(KEY_PREFIX, del_by_prefix=True, namespace=NAMESPACE)
+    ray_compat.kv_delete_prefix(KEY_PREFIX, namespace=NAMESPACE)
 
 
 class StatusPublisher:

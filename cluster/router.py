@@ -12,7 +12,8 @@ Per request the router:
    recomputes;
 3. asks the central cache manager actor how many leading blocks each replica holds;
 4. ranks the replicas with `choose_replica_ids` (load = ongoing requests, from Serve's queue
-   length cache or a probe, as Serve's own routers measure it).
+   length cache or a probe, as Serve's own routers measure it: the parts of Serve's router this
+   needs that are not public are reached through `cluster.ray_compat`).
 
 Routing never fails for want of a cache view: a missing, dead or slow manager, an unknown block
 size, a tokenizer still loading or an invalid prompt all route on load alone.
@@ -40,6 +41,7 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 
 from cache_manager.actor import deployment_key
 from cluster.convert import prompt_input
+from cluster.ray_compat import probe_queue_lens, queue_len_cache_enabled, routed_deployment
 from kvserve.v1 import generation_pb2 as pb
 from workers.core.inputs import to_token_ids
 from workers.core.prefix_hash import extend_block_hashes
@@ -179,8 +181,7 @@ class CacheAwareRouter(RequestRouter):
         self._manager_timeout_s = manager_timeout_s
         self._manager_retry_s = manager_retry_s
         self._tokenizer_wait_s = tokenizer_wait_s
-        self._deployment_name = deployment_name or deployment_key(
-            self._deployment_id.app_name, self._deployment_id.name)
+        self._deployment_name = deployment_name or deployment_key(*routed_deployment(self))
         self._manager: Any = None
         self._manager_retry_at = 0.0
         self._block_size: int | None = None
@@ -219,14 +220,14 @@ class CacheAwareRouter(RequestRouter):
         known: dict[str, float] = {}
         to_probe = []
         for r in replicas:
-            queue_len = (self._replica_queue_len_cache.get(r.replica_id)
-                         if self._use_replica_queue_len_cache else None)
+            queue_len = (self.replica_queue_len_cache.get(r.replica_id)
+                         if queue_len_cache_enabled(self) else None)
             if queue_len is None:
                 to_probe.append(r)
             else:
                 known[r.replica_id.unique_id] = queue_len
         if to_probe:
-            for r, queue_len in await self._probe_queue_lens(to_probe, 0):
+            for r, queue_len in await probe_queue_lens(self, to_probe):
                 if queue_len is not None:
                     known[r.replica_id.unique_id] = queue_len
         return {r.replica_id.unique_id: float(known.get(r.replica_id.unique_id, math.inf))

@@ -12,7 +12,6 @@ import contextlib
 import ctypes
 import os
 import signal
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -88,28 +87,14 @@ def sigterm_as_interrupt() -> Iterator[None]:
     that clean-up in `finally` / `except` blocks runs, and further ones are ignored until the
     block ends. `timeout` and process managers send SIGTERM, often to a whole process group, and
     `make` sends its child a second one; Python's default for SIGTERM ends the process without
-    any clean-up. (Ray's init and shutdown replace the handler: see `sigterm_handler_kept`.)"""
+    any clean-up. (Ray's init and shutdown replace the handler: see
+    `cluster.ray_compat.sigterm_handler_kept`.)"""
     previous = {s: signal.signal(s, _interrupt_once) for s in STOP_SIGNALS}
     try:
         yield
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-
-
-@contextlib.contextmanager
-def sigterm_handler_kept() -> Iterator[None]:
-    """Puts back, after the block, the SIGTERM handler that was in force before it, unless that
-    was the default. For `ray.init` and `ray.shutdown`: each installs its own SIGTERM handling
-    (shutdown's ends the process at once, in C, whatever Python's handler says), which would
-    skip the clean-up a `sigterm_as_interrupt` or `signals_ignored` block exists for."""
-    main = threading.current_thread() is threading.main_thread()
-    previous = signal.getsignal(signal.SIGTERM) if main else None
-    try:
-        yield
-    finally:
-        if previous not in (None, signal.SIG_DFL):
-            signal.signal(signal.SIGTERM, previous)
 
 
 @contextlib.contextmanager

@@ -250,9 +250,9 @@ def _launcher() -> dict:
 
 
 def test_cluster_launcher_config_is_valid_for_ray():
-    from ray.autoscaler._private.util import prepare_config, validate_config
+    from cluster.ray_compat import validate_cluster_launcher_config
 
-    validate_config(prepare_config(_launcher()))
+    validate_cluster_launcher_config(_launcher())
 
 
 def test_cluster_launcher_has_gpu_workers_and_a_head_without_gpus():
@@ -289,9 +289,9 @@ def test_cluster_launcher_installs_the_gpu_extra_and_shares_one_redis():
 
 
 def test_prometheus_reads_rays_service_discovery_file():
-    from ray._private.ray_constants import PROMETHEUS_SERVICE_DISCOVERY_FILE
+    from cluster.ray_compat import prometheus_service_discovery_file
 
     config = yaml.safe_load((INFRA / "monitoring" / "prometheus.yml").read_text())
     files = [f for job in config["scrape_configs"] for sd in job.get("file_sd_configs", [])
              for f in sd["files"]]
-    assert f"/tmp/ray/{PROMETHEUS_SERVICE_DISCOVERY_FILE}" in files
+    assert f"/tmp/ray/{prometheus_service_discovery_file()}" in files

@@ -15,18 +15,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from ray.serve._private.common import (
-    DeploymentHandleSource,
-    DeploymentID,
-    ReplicaID,
-    RequestMetadata,
-    RequestProtocol,
-    gRPCRequest,
-)
 from ray.serve.config import RequestRouterConfig
-from ray.serve.request_router import PendingRequest
+from ray.serve.request_router import PendingRequest, ReplicaID
 
 import cluster.router as router_mod
+from cluster.ray_compat import (
+    deployment_id,
+    grpc_request,
+    new_request_router,
+    request_metadata,
+    route_request,
+)
 from cluster.router import (
     CacheAwareRouter,
     block_hashes_hex,
@@ -40,7 +39,7 @@ from workers.core.inputs import to_token_ids
 from workers.core.prefix_hash import block_hash
 
 BS = 4  # block size in the fake cluster
-DEPLOYMENT = DeploymentID(name="Generation", app_name="default")
+DEPLOYMENT = deployment_id("default", "Generation")
 
 
 # -- the ranking rule --------------------------------------------------------------------------
@@ -137,10 +136,8 @@ def test_text_and_chat_prompts_tokenize_as_the_engine_does(tokenizer):
 
 
 # -- finding the GenerateRequest ---------------------------------------------------------------
-def metadata(method: str = "Generate", grpc: bool = True, rid: str = "r1") -> RequestMetadata:
-    protocol = RequestProtocol.GRPC if grpc else RequestProtocol.UNDEFINED
-    return RequestMetadata(request_id=rid, internal_request_id=rid, call_method=method,
-                           _request_protocol=protocol)
+def metadata(method: str = "Generate", grpc: bool = True, rid: str = "r1") -> Any:
+    return request_metadata(rid, method, grpc)
 
 
 def pending(arg: Any, **meta: Any) -> PendingRequest:
@@ -150,11 +147,11 @@ def pending(arg: Any, **meta: Any) -> PendingRequest:
 def test_generate_request_from_the_grpc_proxy_or_a_python_handle():
     async def run() -> None:
         request = pb.GenerateRequest(prompt="hi", cache_salt="s")
-        from_proxy = pickle.dumps(gRPCRequest(user_request_proto=request))
+        from_proxy = pickle.dumps(grpc_request(request))
         assert generate_request_of(pending(from_proxy)) == request
         assert generate_request_of(pending(request, grpc=False)) == request
         assert generate_request_of(pending(from_proxy, grpc=False)) is None  # not unpickled
-        tokenize = pickle.dumps(gRPCRequest(user_request_proto=pb.TokenizeRequest(prompt="x")))
+        tokenize = pickle.dumps(grpc_request(pb.TokenizeRequest(prompt="x")))
         assert generate_request_of(pending(tokenize, method="Tokenize")) is None
         assert generate_request_of(None) is None
 
@@ -227,9 +224,7 @@ def use_manager(monkeypatch: pytest.MonkeyPatch, manager: Any,
 
 def make_router(replicas: list[FakeReplica], cls: type = CacheAwareRouter,
                 **kwargs: Any) -> CacheAwareRouter:
-    router = cls(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.UNKNOWN,
-                 use_replica_queue_len_cache=True, self_node_id="node",
-                 prefer_local_node_routing=True)
+    router = new_request_router(cls, DEPLOYMENT.app_name, DEPLOYMENT.name)
     router.initialize_state(**kwargs)
     router.update_replicas(replicas)
     return router
@@ -238,9 +233,9 @@ def make_router(replicas: list[FakeReplica], cls: type = CacheAwareRouter,
 async def route(router: CacheAwareRouter, request: Any, rid: str = "r1",
                 **meta: Any) -> str:
     """The replica Serve's routing loop picks for `request` (proxy-style pickled args)."""
-    arg = pickle.dumps(gRPCRequest(user_request_proto=request))
+    arg = pickle.dumps(grpc_request(request))
     pr = PendingRequest(args=[arg], kwargs={}, metadata=metadata(rid=rid, **meta))
-    replica = await asyncio.wait_for(router._choose_replica_for_request(pr), 10)
+    replica = await asyncio.wait_for(route_request(router, pr), 10)
     return replica.replica_id.unique_id
 
 
@@ -260,8 +255,8 @@ def test_routes_to_the_replica_holding_the_longest_prefix(monkeypatch):
         router = make_router([FakeReplica("a"), FakeReplica("b", 3), FakeReplica("c")])
         for i in range(5):  # every turn lands on b, whatever the shuffle
             assert await route(router, ids_request(PROMPT), rid=f"t{i}") == "b"
-        ranks = await router.choose_replicas(router._replicas_list, pending(
-            pickle.dumps(gRPCRequest(user_request_proto=ids_request(PROMPT)))))
+        ranks = await router.choose_replicas(list(router.curr_replicas.values()), pending(
+            pickle.dumps(grpc_request(ids_request(PROMPT)))))
         assert [[r.replica_id.unique_id for r in rank] for rank in ranks][0] == ["b"]
         assert sorted(r[0].replica_id.unique_id for r in ranks) == ["a", "b", "c"]
 

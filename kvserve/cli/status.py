@@ -13,7 +13,7 @@ import sys
 import time
 from typing import Any
 
-from cluster import local_head, replica_status
+from cluster import local_head, ray_compat, replica_status
 
 APP_NAME = "kvserve"
 
@@ -33,9 +33,7 @@ def _target(address: str | None,
         return explicit, recorded
     if state is not None:
         return state.address, state
-    from ray._private.services import find_bootstrap_address  # what `ray start` recorded
-
-    found = find_bootstrap_address(None)
+    found = ray_compat.recorded_cluster_address()  # what `ray start` recorded
     if not found:
         raise NothingRunning("no Ray cluster to talk to (none started by `kvserve up --detach`, "
                              "RAY_ADDRESS unset); start one with: kvserve up --detach")
@@ -60,13 +58,12 @@ def collect_status(app_name: str = APP_NAME) -> dict[str, Any] | None:
     """The application's state, its deployments' replica counts by state and one row per
     replica Serve lists, with the replica's published running / waiting / KV usage (None while
     it has no fresh row). None when the application is not deployed."""
-    from ray.serve.context import _get_global_client
     from ray.serve.schema import ServeInstanceDetails
 
-    client = _get_global_client(raise_if_no_controller_running=False)
-    if client is None:
+    serve_details = ray_compat.serve_details()
+    if serve_details is None:
         return None
-    details = ServeInstanceDetails(**client.get_serve_details())
+    details = ServeInstanceDetails(**serve_details)
     app = details.applications.get(app_name)
     if app is None:
         return None
