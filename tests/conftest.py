@@ -14,6 +14,22 @@ from workers.model_executor.cpu_kernels import load_cpu_kernels
 from workers.model_executor.loader import cache_root, resolve_model_dir
 from workers.model_executor.tiny import tiny_checkpoint
 
+# Fixtures that load the real SmolLM2 (or convert it): a test using one is `slow`.
+REAL_MODEL_FIXTURES = frozenset({"model_dir", "real_engine", "hf_model"})
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark `slow` every test that loads the real model through a shared fixture or starts Ray
+    (marked `ray`), so `pytest -m "not slow"` is the fast suite without listing each test: a new
+    test asking for `real_engine` is slow without anyone remembering to mark it. Tests that load
+    the model another way (their own engine, a `kvserve` subprocess) are marked where written."""
+    for item in items:
+        if item.get_closest_marker("ray") or REAL_MODEL_FIXTURES & set(
+            getattr(item, "fixturenames", ())
+        ):
+            item.add_marker(pytest.mark.slow)
+
 
 @pytest.fixture(scope="session")
 def model_dir() -> Path:

@@ -5,9 +5,13 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
+
 from kvserve.bench.serve import run_serve_bench, summarize
 from kvserve.cli import build_parser
 from tests.serving import serve_locally
+
+pytestmark = pytest.mark.ray  # starts Ray, so also slow (tests/conftest.py)
 
 LEVEL_KEYS = {"concurrency", "service_tok_s", "engine_tok_s", "ttft_p50_ms", "ttft_p99_ms",
               "itl_p50_ms", "itl_p99_ms", "ratio"}

@@ -113,6 +113,7 @@ def test_bad_input_is_a_clear_error_not_a_traceback():
     assert "Traceback" not in out.stderr
 
 
+@pytest.mark.slow  # loads the real model in a subprocess
 def test_bench_throughput_json_reports_every_contender():
     out = run(
         "bench",
@@ -158,6 +159,7 @@ def test_bench_throughput_json_reports_every_contender():
     assert report["config"]["requests"] == 2
 
 
+@pytest.mark.slow  # loads the real model in a subprocess
 def test_bench_throughput_bf16_puts_fp32_and_the_matmul_share_beside_it():
     """--dtype bfloat16 on a CPU: HF in bf16, kvserve fp32 in the same run, and each kvserve
     run's share of time in its projections (what bf16 shrinks) against the rest."""

@@ -12,6 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import pytest
 import redis
 
 from cache_manager.actor import EMBEDDED_PREFIX
@@ -20,6 +21,8 @@ from cluster import local_head
 from tests.helpers import poll
 from tests.serving import free_port
 from tests.test_cli import KVSERVE
+
+pytestmark = pytest.mark.ray  # starts Ray, so also slow (tests/conftest.py)
 
 
 def new_user_env(model_dir: Path, tmp_path: Path) -> dict[str, str]:

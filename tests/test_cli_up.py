@@ -13,10 +13,14 @@ import subprocess
 import threading
 import time
 
+import pytest
+
 from cluster import local_head
 from tests.serving import free_port
 from tests.test_cli import KVSERVE
 from tests.test_cli_detached import new_user_env, redis_server_pids, the_embedded_redis_dir
+
+pytestmark = pytest.mark.ray  # starts Ray, so also slow (tests/conftest.py)
 
 
 def _lines(proc: subprocess.Popen) -> queue.Queue:

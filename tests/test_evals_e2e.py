@@ -5,6 +5,7 @@ recall run over gRPC (a local deployment) answers exactly as in-process."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -24,15 +25,47 @@ def records(out: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def recall_run(tmp_path_factory, model_dir) -> list[dict]:
+def recall_out(tmp_path_factory, model_dir) -> Path:
     out = tmp_path_factory.mktemp("recall")
     assert main([*RECALL_ARGS, "--out", str(out)]) == 0
     for name in RECALL_FILES:
         assert (out / name).stat().st_size > 0, name
-    results = json.loads((out / "results.json").read_text())
+    return out
+
+
+@pytest.fixture(scope="module")
+def recall_run(recall_out) -> list[dict]:
+    return records(recall_out)
+
+
+def first_digits(text: str) -> str | None:
+    """The grader's rule restated by hand: the answer's first number, commas dropped."""
+    found = re.search(r"[0-9]+", text.replace(",", ""))
+    return found.group(0) if found else None
+
+
+def test_recall_scores_are_the_fractions_of_answers_that_hold_the_pass_key(recall_out,
+                                                                          recall_run):
+    """Every per-sample score equals a grading redone here from the answer text, and each
+    cell's reported score is the fraction of its samples found that way (so a constant, an
+    off-by-a-cell or an unweighted aggregate fails)."""
+    results = json.loads((recall_out / "results.json").read_text())
     assert set(results) >= {"results", "config", "versions", "n-samples", "date", "git_hash"}
-    assert results["results"]["passkey_2048_none"]["passkey_match,none"] >= 0
-    return records(out)
+    assert set(results["results"]) == {"passkey_1024_none", "passkey_2048_none"}
+    for length in (1024, 2048):
+        cell = [r for r in recall_run if r["length"] == length]
+        assert len(cell) == 3 * 4
+        hits = []
+        for r in cell:
+            [target] = r["targets"]
+            hit = float(first_digits(r["response"]) == target)
+            found = float(target in r["response"].lower())
+            assert r["scores"] == {"passkey_match": hit, "string_match_all": found,
+                                   "string_match_part": found}, r["key"]
+            hits.append(hit)
+        got = results["results"][f"passkey_{length}_none"]
+        assert got["passkey_match,none"] == pytest.approx(sum(hits) / len(hits)), length
+        assert results["n-samples"][f"passkey_{length}_none"]["effective"] == len(cell)
 
 
 def hf_greedy(hf_model, prompt_ids: list[int], max_tokens: int) -> list[int]:

@@ -9,10 +9,14 @@ import csv
 import json
 import subprocess
 
+import pytest
+
 from kvserve.v1 import generation_pb2 as pb
 from tests.helpers import poll
 from tests.serving import serve_locally
 from tests.test_cli import KVSERVE
+
+pytestmark = pytest.mark.ray  # starts Ray, so also slow (tests/conftest.py)
 
 
 def _service_tokens(served) -> float:

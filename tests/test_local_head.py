@@ -17,6 +17,8 @@ import pytest
 from cluster import local_head
 from tests.helpers import poll
 
+pytestmark = pytest.mark.ray  # starts Ray, so also slow (tests/conftest.py)
+
 OWNER_SCRIPT = textwrap.dedent("""
     import json, sys, time
     from cluster import local_head

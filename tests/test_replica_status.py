@@ -71,16 +71,30 @@ def test_publisher_snapshot_becomes_a_row():
     assert pub.current().running == 0
 
 
-def test_publisher_survives_a_failing_store(monkeypatch):
+def test_publisher_survives_a_failing_store_warning_once_then_publishes_again(monkeypatch,
+                                                                              caplog):
+    """Status is best effort: a failing store never raises into the replica, warns once (not
+    once per interval), and the next publish after the store is back writes the row."""
     import cluster.replica_status as rs
 
-    def boom(_row):
-        raise ConnectionError("GCS is down")
+    stored: list[ReplicaStatus] = []
+    attempts = []
 
-    monkeypatch.setattr(rs, "put", boom)
-    pub = StatusPublisher(lambda: (0, 0, 0.0), replica_id="x", node_ip="127.0.0.1")
-    pub.publish_once()
-    pub.publish_once()  # warns once, never raises
+    def store(row: ReplicaStatus) -> None:
+        attempts.append(row)
+        if len(attempts) <= 3:
+            raise ConnectionError("GCS is down")
+        stored.append(row)
+
+    monkeypatch.setattr(rs, "put", store)
+    pub = StatusPublisher(lambda: (1, 2, 0.5), replica_id="x", node_ip="127.0.0.1")
+    with caplog.at_level("WARNING", logger=rs.__name__):
+        for _ in range(4):
+            pub.publish_once()
+    assert len(attempts) == 4  # every publish tried the store
+    warnings = [r for r in caplog.records if "could not publish" in r.getMessage()]
+    assert len(warnings) == 1 and warnings[0].exc_info is not None
+    assert [(r.replica_id, r.running, r.waiting) for r in stored] == [("x", 1, 2)]
 
 
 def test_status_table_shows_every_replica_and_dashes_for_missing_rows():

@@ -18,7 +18,7 @@ import torch
 
 from tests.helpers import HostTraffic
 from workers.core.outputs import TokenLogprobs
-from workers.core.sampling_params import SamplingParams
+from workers.core.sampling_params import GREEDY_BELOW, SamplingParams
 from workers.core.sequence import Sequence
 from workers.errors import InvalidRequestError
 from workers.model_executor.sampler import _draw, sample, sampling_probs
@@ -567,25 +567,64 @@ def test_temperature_sharpens_and_flattens() -> None:
     assert len(set(hot)) == 4
 
 
-@pytest.mark.parametrize(
-    "params",
-    [
-        {"temperature": 1e-37},  # 42 / 1e-37 overflows float32 -> inf -> softmax NaN
-        {"temperature": 1e-40},
-        {"temperature": 1.0, "repetition_penalty": 1e39},  # 1e39 -> float32 inf
-        {"temperature": 0.0, "repetition_penalty": 1e300},  # 0 * inf = NaN wins the argmax
-    ],
-)
-def test_extreme_valid_params_sample_sanely(params: dict[str, Any]) -> None:
-    """Either validation rejects the value, or sampling stays finite and sane."""
-    try:
-        SamplingParams(**params).validate(VOCAB)
-    except InvalidRequestError:
-        return
-    logits = torch.tensor([[0.0, -3.0, 42.0, -1.0]])
-    seq = make_seq(prompt=[0, 1, 3], **params)
-    # token 2 has 42 against <= 0 and is not penalised: it is the only sane outcome
-    assert sample(logits, [seq])[0] == [2]
+# The smallest temperature that still samples, and penalties at their caps: the edges of what
+# `validate` accepts, where dividing by the temperature or multiplying by the penalty is largest.
+# Token 2 is the unpenalised maximum by a wide margin, so at this temperature it is the only sane
+# outcome. Negative controls, checked by hand: without the float32 upcast in `_penalize`
+# (`x = logits`) both penalised float16 cases overflow to inf and NaN (42 / 1e-5 > 65504); with a
+# naive softmax (`x.exp() / x.exp().sum()`) all four do; with `GREEDY_BELOW = 0` the
+# below-the-threshold cases further down divide by 1e-37 and fail.
+EDGE_LOGITS = [0.0, -3.0, 42.0, -1.0]
+SAMPLED_EDGES = {
+    "smallest sampled temperature, float32 logits in the thousands": (
+        {"temperature": GREEDY_BELOW}, torch.float32, 1000.0),
+    "smallest sampled temperature, float16 logits": (
+        {"temperature": GREEDY_BELOW}, torch.float16, 1.0),
+    "penalties at their caps, float16 logits": (
+        {"temperature": GREEDY_BELOW, "repetition_penalty": 100.0, "presence_penalty": 2.0,
+         "frequency_penalty": 2.0, "logprobs": 2}, torch.float16, 1.0),
+    "penalties at the other caps, with top-k, top-p and min-p": (
+        {"temperature": GREEDY_BELOW, "repetition_penalty": 100.0, "presence_penalty": -2.0,
+         "frequency_penalty": -2.0, "top_k": 3, "top_p": 0.5, "min_p": 1.0}, torch.float16, 1.0),
+}
+
+
+@pytest.mark.parametrize("case", list(SAMPLED_EDGES))
+def test_params_at_the_edge_of_the_valid_range_sample_finitely(case: str) -> None:
+    params, dtype, scale = SAMPLED_EDGES[case]
+    SamplingParams(**params).validate(VOCAB)  # inside the allowed range: no early way out
+    logits = (torch.tensor([EDGE_LOGITS]) * scale).to(dtype)
+    seqs = [make_seq(prompt=[0, 1, 3], output=[0, 0, 3, 1, 1, 1], seed=s, **params)
+            for s in range(8)]
+    assert not seqs[0].params.greedy  # the sampled path, temperature division included
+    probs = sampling_probs(logits.expand(8, -1).contiguous(), seqs)
+    assert torch.isfinite(probs).all(), probs
+    assert torch.equal(probs, torch.tensor([[0.0, 0.0, 1.0, 0.0]] * 8))
+    tokens, lps = sample(logits.expand(8, -1).contiguous(), seqs)
+    assert tokens == [2] * 8
+    for lp in lps:
+        assert lp is None or math.isfinite(lp.logprob)
+
+
+@pytest.mark.parametrize("temperature", [GREEDY_BELOW / 2, 1e-37, 1e-40])
+def test_temperatures_below_the_greedy_threshold_take_the_argmax(temperature: float) -> None:
+    """Below GREEDY_BELOW dividing by the temperature would overflow float32 (42 / 1e-37):
+    these rows are greedy, argmax of the penalised logits, whatever the other rows do."""
+    params = SamplingParams(temperature=temperature)
+    params.validate(VOCAB)
+    assert params.greedy
+    seqs = [make_seq(prompt=[0, 1, 3], temperature=temperature),
+            make_seq(prompt=[0, 1, 3], temperature=1.0, repetition_penalty=100.0)]  # a drawn row
+    logits = torch.tensor([EDGE_LOGITS] * 2)
+    assert sample(logits, seqs)[0][0] == 2
+    assert torch.equal(sampling_probs(logits, seqs)[0], torch.tensor([0.0, 0.0, 1.0, 0.0]))
+
+
+def test_penalties_past_their_caps_are_refused() -> None:
+    for params in ({"repetition_penalty": 100.01}, {"repetition_penalty": 1e39},
+                   {"presence_penalty": 2.01}, {"frequency_penalty": -2.01}):
+        with pytest.raises(InvalidRequestError):
+            SamplingParams(**params).validate(VOCAB)
 
 
 def test_vocabularies_past_float32_ids_are_refused() -> None:

@@ -14,6 +14,8 @@ from kvserve.v1 import generation_pb2 as pb
 from tests.helpers import poll, solo_ids
 from tests.serving import METADATA, Served, serve_locally
 
+pytestmark = pytest.mark.ray  # starts Ray, so also slow (tests/conftest.py)
+
 
 @pytest.fixture(scope="module")
 def served() -> Served:

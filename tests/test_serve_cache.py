@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
+import pytest
 import ray
 
 from cache_manager import actor as cache_manager
@@ -21,6 +22,8 @@ from kvserve.v1 import generation_pb2 as pb
 from tests.helpers import poll, solo_ids
 from tests.serving import APP, METADATA, serve_locally
 from tests.test_serve_replica_kill import _replica_rows, _replica_states
+
+pytestmark = pytest.mark.ray  # starts Ray, so also slow (tests/conftest.py)
 
 MANAGER_KEY = cache_manager.deployment_key(APP, "Generation")
 PLACES = ["Lisbon", "Oslo", "Quito", "Hanoi", "Accra", "Perth", "Lima", "Riga"]

@@ -18,6 +18,8 @@ from tests.serving import serve_locally
 from tests.test_serve_replica_kill import _replica_rows, _replica_states
 from workers.async_engine import AsyncLLMEngine
 
+pytestmark = pytest.mark.ray  # starts Ray, so also slow (tests/conftest.py)
+
 # Serve's defaults (10 s period, 3 failures in a row) would take 30 s to notice a dead loop
 HEALTH_CHECKS = {"health_check_period_s": 1, "health_check_timeout_s": 5}
 FAIL_FAST_S = 30  # the request that meets the dead loop fails this soon (no hang)

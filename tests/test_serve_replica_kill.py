@@ -9,9 +9,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import pytest
 
 from kvserve.v1 import generation_pb2 as pb
 from tests.serving import METADATA, serve_locally
+
+pytestmark = pytest.mark.ray  # starts Ray, so also slow (tests/conftest.py)
 
 STREAM_DEADLINE_S = 300  # a hang would show as DEADLINE_EXCEEDED here, never block the suite
 ERROR_WITHIN_S = 30  # the killed stream must end this soon after the kill

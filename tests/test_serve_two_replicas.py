@@ -7,9 +7,13 @@ import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
+
 from tests.helpers import solo_ids
 from tests.prompts import varied_prompts
 from tests.serving import serve_locally
+
+pytestmark = pytest.mark.ray  # starts Ray, so also slow (tests/conftest.py)
 
 
 def test_two_replicas_serve_16_concurrent_clients_exactly(real_engine):
