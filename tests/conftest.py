@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -65,3 +66,55 @@ def make_tiny_engine():
         return LLMEngine(EngineConfig(**config), checkpoint=ckpt)
 
     return make
+
+
+# --- the session's Ray cluster (tests/serving.py) and the fast/slow split ------------------
+
+# Fixtures that load the real model or start Ray: a test using one is `slow` (left out of
+# `make test-fast`), whether or not it carries the marker itself.
+SLOW_FIXTURES = {"model_dir", "real_engine", "hf_model"}
+
+
+def _shared_ray_group(item: pytest.Item) -> str:
+    """The module's `USES_SHARED_RAY` group ("" if it does not use the shared cluster, or the
+    test starts its own head): modules are run in group order, so that the tests that can
+    share a deployment run next to each other."""
+    if "own_ray_head" in getattr(item, "fixturenames", ()):
+        return ""
+    return str(getattr(getattr(item, "module", None), "USES_SHARED_RAY", "") or "")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark real-model and Ray tests `slow`; run the modules on the shared Ray cluster last,
+    together and in group order, so the cluster starts once and deployments are reused."""
+    for item in items:
+        group = getattr(getattr(item, "module", None), "USES_SHARED_RAY", "")
+        if group or SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+    items.sort(key=_shared_ray_group)  # stable: file order is kept within each group
+
+
+@pytest.fixture(autouse=True)
+def _shared_ray_only_for_serving_modules(request: pytest.FixtureRequest) -> Iterator[None]:
+    """The shared cluster runs only during modules that use it (`USES_SHARED_RAY = True`):
+    other tests start their own Ray heads, or check that none is running."""
+    serving = sys.modules.get("tests.serving")
+    if serving is not None and serving.cluster_running() and not _shared_ray_group(request.node):
+        serving.shutdown_cluster()
+    yield
+
+
+@pytest.fixture
+def own_ray_head() -> None:
+    """For a test inside a shared-Ray module that starts its own head: the shared one goes."""
+    serving = sys.modules.get("tests.serving")
+    if serving is not None:
+        serving.shutdown_cluster()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _stop_shared_ray_at_the_end() -> Iterator[None]:
+    yield
+    serving = sys.modules.get("tests.serving")
+    if serving is not None:
+        serving.shutdown_cluster()

@@ -13,6 +13,8 @@ from kvserve.v1 import generation_pb2 as pb
 from tests.helpers import poll
 from tests.serving import APP, METADATA, serve_locally
 
+USES_SHARED_RAY = "2"  # tests/serving.py: run with the modules of this group
+
 DEADLINE_S = 120  # a hang fails as DEADLINE_EXCEEDED instead of blocking the suite
 
 

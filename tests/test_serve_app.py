@@ -14,6 +14,8 @@ from kvserve.v1 import generation_pb2 as pb
 from tests.helpers import poll, solo_ids
 from tests.serving import METADATA, Served, serve_locally
 
+USES_SHARED_RAY = "2"  # tests/serving.py: run with the modules of this group
+
 
 @pytest.fixture(scope="module")
 def served() -> Served:

@@ -18,6 +18,8 @@ from tests.serving import serve_locally
 from tests.test_serve_replica_kill import _replica_rows, _replica_states
 from workers.async_engine import AsyncLLMEngine
 
+USES_SHARED_RAY = "4"  # tests/serving.py: run with the modules of this group
+
 # Serve's defaults (10 s period, 3 failures in a row) would take 30 s to notice a dead loop
 HEALTH_CHECKS = {"health_check_period_s": 1, "health_check_timeout_s": 5}
 FAIL_FAST_S = 30  # the request that meets the dead loop fails this soon (no hang)
@@ -55,7 +57,7 @@ def _greedy(served) -> list[int]:
 def test_a_replica_whose_step_loop_died_is_replaced_and_every_replica_warms_up(monkeypatch):
     monkeypatch.setenv(ADMIN_ENV, "1")  # the local Ray cluster's workers inherit it
     app = {"replicas": 1, "kv_cache_memory": "64MiB", **HEALTH_CHECKS}
-    with serve_locally(app) as served:
+    with serve_locally(app, env={ADMIN_ENV: "1"}) as served:  # a cluster with admin allowed
         _assert_warmed_up_and_clean(served.handle)  # before the first user request
         expected = _greedy(served)
         victim = served.handle.admin.remote("fail_next_step").result()

@@ -11,7 +11,9 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from kvserve.v1 import generation_pb2 as pb
-from tests.serving import METADATA, serve_locally
+from tests.serving import METADATA, TWO_REPLICAS, serve_locally
+
+USES_SHARED_RAY = "3c"  # tests/serving.py: run with the modules of this group
 
 STREAM_DEADLINE_S = 300  # a hang would show as DEADLINE_EXCEEDED here, never block the suite
 ERROR_WITHIN_S = 30  # the killed stream must end this soon after the kill
@@ -38,8 +40,8 @@ def _greedy(served, prompt: str) -> tuple[list[int], int]:
 
 
 def test_killing_a_replica_mid_stream_errors_that_stream_and_serve_recovers():
-    app = {"replicas": 2, "num_cpus_per_replica": 1, "kv_cache_memory": "256MiB"}
-    with serve_locally(app) as served:
+    # reuse: the test ends only once Serve has replaced the killed replica and both serve
+    with serve_locally(TWO_REPLICAS, reuse=True) as served:
         prompt = "The capital of France is"
         expected, reason = _greedy(served, prompt)
         assert reason == pb.FINISH_REASON_LENGTH and len(expected) == 8
