@@ -28,7 +28,7 @@ from cluster.local_head import free_port
 from kvserve.v1 import generation_pb2 as pb
 from kvserve.v1 import generation_pb2_grpc as pb_grpc
 
-APP = "kvserve"
+APP = "kvserve"  # the name kvserve's own clients (CLI, Locust) send as gRPC metadata
 METADATA = (("application", APP),)
 # The 1-replica app that the tests needing nothing special share (`reuse=True`)
 DEFAULT_APP = {"kv_cache_memory": "512MiB"}
@@ -42,10 +42,21 @@ class Served:
     handle: Any  # the deployment's DeploymentHandle
     target: str
     metrics_port: int
+    app: str = APP  # the Serve application's name: gRPC metadata, cache-manager key
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        """The gRPC metadata that routes a call to this application."""
+        return (("application", self.app),)
+
+    @property
+    def manager_key(self) -> str:
+        """The name of this application's cache-manager actor."""
+        return cache_manager.deployment_key(self.app, "Generation")
 
     def stream(self, prompt: str, **params: Any) -> list[pb.GenerateResponse]:
         request = pb.GenerateRequest(prompt=prompt, params=pb.SamplingParams(**params))
-        return list(self.stub.Generate(request, metadata=METADATA))
+        return list(self.stub.Generate(request, metadata=self.metadata))
 
     def metrics(self) -> dict[str, list[tuple[str, float]]]:
         """Prometheus text of the node -> {family: [(labels, value), ...]}."""
@@ -74,6 +85,7 @@ class _Cluster:
 
 
 _cluster: _Cluster | None = None
+_deploys = 0  # apps deployed this session (for unique names)
 # Counted across the session, so a test run can say how many starts it paid for.
 STARTS = {"cluster": 0, "deploy": 0}
 
@@ -108,9 +120,10 @@ def _undeploy(cluster: _Cluster) -> None:
 
     if cluster.app_args is None:
         return
+    app = cluster.served.app if cluster.served else APP
     cluster.app_args, cluster.served, cluster.reusable = None, None, False
-    cache_manager.shutdown(cache_manager.deployment_key(APP, "Generation"))
-    serve.delete(APP)
+    cache_manager.shutdown(cache_manager.deployment_key(app, "Generation"))
+    serve.delete(app)
 
 
 def shutdown_cluster() -> None:
@@ -136,29 +149,39 @@ def cluster_running() -> bool:
 
 @contextlib.contextmanager
 def serve_locally(app_args: dict[str, Any], *, reuse: bool = False,
-                  env: dict[str, str] | None = None) -> Iterator[Served]:
+                  env: dict[str, str] | None = None, name: str | None = None
+                  ) -> Iterator[Served]:
     """The kvserve app with `app_args`, deployed on the session's cluster.
 
     reuse: the caller leaves the deployment as it found it (no kill, no restart, nothing left
     running), so it may be kept after the block for the next caller with equal `app_args`.
     env: environment variables the replicas need; a cluster started without exactly these is
-    replaced (Ray's workers get their environment when the cluster starts)."""
-    global _cluster
+    replaced (Ray's workers get their environment when the cluster starts).
+    name: the application's name; by default a new one for each deployment. Serve's proxy
+    keeps a deployment's request router across a redeploy under the same name, and that
+    router still holds the deleted app's cache manager: its first lookup fails and it routes
+    on load for a few seconds. Pass `APP` where a kvserve client (which sends "kvserve")
+    calls the app."""
+    global _cluster, _deploys
     env = dict(env or {})
     if _cluster is not None and _cluster.env != env:
         shutdown_cluster()
     if _cluster is None:
         _cluster = _start_cluster(env)
     cluster = _cluster
-    if not (reuse and cluster.reusable and cluster.app_args == app_args):
+    served = cluster.served
+    if not (reuse and cluster.reusable and cluster.app_args == app_args and served is not None
+            and (name is None or served.app == name)):
         from ray import serve
 
         _undeploy(cluster)
-        handle = serve.run(build_app(app_args), name=APP)
+        _deploys += 1
+        app = name or f"{APP}-{_deploys}"
+        handle = serve.run(build_app(app_args), name=app)
         STARTS["deploy"] += 1
         cluster.app_args = dict(app_args)
         cluster.served = Served(pb_grpc.GenerationStub(cluster.channel), handle,
-                                f"127.0.0.1:{cluster.grpc_port}", cluster.metrics_port)
+                                f"127.0.0.1:{cluster.grpc_port}", cluster.metrics_port, app)
     cluster.reusable = False  # until this block ends cleanly
     assert cluster.served is not None
     try:

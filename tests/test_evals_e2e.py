@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvserve.cli import main
-from tests.serving import DEFAULT_APP, serve_locally
+from tests.serving import APP, DEFAULT_APP, serve_locally
 
 USES_SHARED_RAY = "1"  # tests/serving.py: run with the modules of this group
 
@@ -58,7 +58,7 @@ def test_recall_answers_equal_transformers_generate(recall_run, hf_model, real_e
 
 
 def test_recall_over_grpc_answers_exactly_as_in_process(recall_run, tmp_path):
-    with serve_locally(DEFAULT_APP, reuse=True) as served:
+    with serve_locally(DEFAULT_APP, reuse=True, name=APP) as served:
         assert main([*RECALL_ARGS, "--out", str(tmp_path), "--target", served.target]) == 0
     remote = {r["key"]: r["response_token_ids"] for r in records(tmp_path)}
     assert remote == {r["key"]: r["response_token_ids"] for r in recall_run}

@@ -11,7 +11,7 @@ import subprocess
 
 from kvserve.v1 import generation_pb2 as pb
 from tests.helpers import poll
-from tests.serving import DEFAULT_APP, serve_locally
+from tests.serving import APP, DEFAULT_APP, serve_locally
 from tests.test_cli import KVSERVE
 
 USES_SHARED_RAY = "1"  # tests/serving.py: run with the modules of this group
@@ -22,7 +22,7 @@ def _service_tokens(served) -> float:
 
 
 def test_10s_of_8_users_fail_nothing_and_count_the_tokens_the_service_counted(tmp_path):
-    with serve_locally(DEFAULT_APP, reuse=True) as served:
+    with serve_locally(DEFAULT_APP, reuse=True, name=APP) as served:
         before = _service_tokens(served)
         done = subprocess.run([*KVSERVE, "loadtest", "--target", served.target, "--users", "8",
                                "--spawn-rate", "8", "--run-time", "10s", "--workload", "short",
@@ -61,7 +61,7 @@ def test_overload_refuses_fast_keeps_the_admitted_and_leaves_nothing_behind(tmp_
     refused again after its backoff.)"""
     deadline_s = 60
     app = {"kv_cache_memory": "256MiB", "max_num_seqs": 4, "max_waiting_requests": 4}
-    with serve_locally(app) as served:
+    with serve_locally(app, name=APP) as served:  # Locust sends application=kvserve
         done = subprocess.run([*KVSERVE, "loadtest", "--target", served.target, "--users", "48",
                                "--spawn-rate", "48", "--run-time", "20s", "--workload", "short",
                                "--timeout", str(deadline_s), "--out", str(tmp_path), "--json"],

@@ -23,12 +23,11 @@ from cache_manager.redis_server import start_embedded
 from cluster.cache_check import find_problems
 from kvserve.v1 import generation_pb2 as pb
 from tests.helpers import poll, solo_ids
-from tests.serving import APP, METADATA, TWO_REPLICAS, serve_locally
+from tests.serving import TWO_REPLICAS, Served, serve_locally
 from tests.test_serve_replica_kill import _replica_rows, _replica_states
 
 USES_SHARED_RAY = "3a"  # tests/serving.py: run with the modules of this group
 
-MANAGER_KEY = cache_manager.deployment_key(APP, "Generation")
 HIT_RATE = 0.9  # of later turns' prompt tokens found cached, with routing
 PLACES = ["Lisbon", "Oslo", "Quito", "Hanoi", "Accra", "Perth", "Lima", "Riga"]
 
@@ -41,16 +40,16 @@ def document(i: int) -> str:
     return f"You answer questions about the {place} harbour log below.\n" + "\n".join(lines)
 
 
-def chat_turn(stub, doc: str, history: list, question: str) -> tuple[str, pb.Usage]:
+def chat_turn(served: Served, doc: str, history: list, question: str) -> tuple[str, pb.Usage]:
     messages = [pb.ChatMessage(role="system", content=doc), *history,
                 pb.ChatMessage(role="user", content=question)]
     request = pb.GenerateRequest(messages=pb.ChatMessages(messages=messages),
                                  params=pb.SamplingParams(temperature=0, max_tokens=8))
-    responses = list(stub.Generate(request, metadata=METADATA))
+    responses = list(served.stub.Generate(request, metadata=served.metadata))
     return "".join(r.text for r in responses), responses[-1].usage
 
 
-def conversations(stub, count: int = 8, turns: int = 5) -> list[list[pb.Usage]]:
+def conversations(served: Served, count: int = 8, turns: int = 5) -> list[list[pb.Usage]]:
     """`count` chats advancing in rounds: each round sends every chat's next turn at once.
     (Chats that each wait for their own previous turn would stick to one replica under plain
     least-loaded routing too: the replica that just answered is the less loaded one.)"""
@@ -59,7 +58,7 @@ def conversations(stub, count: int = 8, turns: int = 5) -> list[list[pb.Usage]]:
 
     def turn(i: int, t: int) -> None:
         question = f"Question {t}: which ship arrived at berth {t + 1}?"
-        answer, usage = chat_turn(stub, document(i), histories[i], question)
+        answer, usage = chat_turn(served, document(i), histories[i], question)
         usages[i].append(usage)
         histories[i] += [pb.ChatMessage(role="user", content=question),
                          pb.ChatMessage(role="assistant", content=answer)]
@@ -72,7 +71,7 @@ def conversations(stub, count: int = 8, turns: int = 5) -> list[list[pb.Usage]]:
 
 def cache_check(served) -> list[str]:
     """What `kvserve cache check` prints: every difference between Redis and the workers."""
-    return find_problems(served.handle, cache_manager.get(MANAGER_KEY))
+    return find_problems(served.handle, cache_manager.get(served.manager_key))
 
 
 def test_kv_cache_metrics_reach_prometheus_under_memory_pressure():
@@ -110,7 +109,7 @@ def test_multi_turn_chats_stay_on_the_replica_holding_their_history(routed):
     # test_serve_two_replicas and test_serve_replica_kill reuse it
     app = TWO_REPLICAS if routed else {**TWO_REPLICAS, "cache_aware_routing": False}
     with serve_locally(app, reuse=routed) as served:
-        chats = conversations(served.stub)
+        chats = conversations(served)
         later = [(i, turn, usage) for i, usages in enumerate(chats)
                  for turn, usage in enumerate(usages[1:], start=2)]
         missed = [(i, turn, u) for i, turn, u in later
@@ -152,12 +151,13 @@ def test_chaos_leaves_an_exact_index_no_leaks_and_no_crossed_outputs(real_engine
                            and r.sent_at < began < r.ended_at]
             assert interrupted, "the kill cut no stream: the killed replica was idle"
             assert len(after) >= 10, f"{len(after)} requests finished after the chaos"
-            _wait_for_running_replicas(2)
-            assert find_problems(served.handle, cache_manager.get(MANAGER_KEY), attempts=30) == []
+            _wait_for_running_replicas(served, 2)
+            manager = cache_manager.get(served.manager_key)
+            assert find_problems(served.handle, manager, attempts=30) == []
             for stats in served.handle.broadcast("kv_stats").results():
                 assert stats["device_used"] == 0, stats  # every block free or cached
                 assert stats["host_used"] == stats["host_cached"], stats  # nothing swapped
-            manager_stats = ray.get(cache_manager.get(MANAGER_KEY).stats.remote())
+            manager_stats = ray.get(cache_manager.get(served.manager_key).stats.remote())
             assert manager_stats["full_reports"] >= 2  # the restarted manager rebuilt Redis
     finally:
         redis.close()
@@ -189,7 +189,7 @@ class _Traffic:
             request = pb.GenerateRequest(prompt=self.prompts[r.index],
                                          params=pb.SamplingParams(**self.params))
             try:
-                for response in self.served.stub.Generate(request, metadata=METADATA,
+                for response in self.served.stub.Generate(request, metadata=self.served.metadata,
                                                           timeout=120):
                     r.ids += response.token_ids
                     r.tokens = len(r.ids)
@@ -237,11 +237,12 @@ def _chaos(served, redis, traffic: _Traffic):
     redis.stop_server()
     redis = start_embedded(data_dir)  # the same address, empty
     two_more()
-    ray.kill(cache_manager.get(MANAGER_KEY), no_restart=False)  # Ray restarts it
+    ray.kill(cache_manager.get(served.manager_key), no_restart=False)  # Ray restarts it
     two_more()
     return redis, began, time.monotonic()
 
 
-def _wait_for_running_replicas(count: int, timeout: float = 120) -> None:
-    states = poll(_replica_states, lambda s: s == {"RUNNING": count}, timeout, 1.0)
+def _wait_for_running_replicas(served: Served, count: int, timeout: float = 120) -> None:
+    states = poll(lambda: _replica_states(served.app), lambda s: s == {"RUNNING": count},
+                  timeout, 1.0)
     assert states == {"RUNNING": count}, states

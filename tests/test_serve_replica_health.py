@@ -73,12 +73,12 @@ def test_a_replica_whose_step_loop_died_is_replaced_and_every_replica_warms_up(m
 
         def replaced(rows: list[dict]) -> bool:
             return (len(rows) == 1 and rows[0]["replica_id"] != victim
-                    and _replica_states() == {"RUNNING": 1})
+                    and _replica_states(served.app) == {"RUNNING": 1})
 
         started = time.monotonic()
         rows = poll(lambda: _rows_or_none(served.handle), replaced,
                     REPLACED_WITHIN_S, interval_s=0.5)
-        assert replaced(rows), (victim, rows, _replica_states())
+        assert replaced(rows), (victim, rows, _replica_states(served.app))
         print(f"request failed after {failed_after:.2f} s; replica replaced after "
               f"{time.monotonic() - started:.1f} s")
         _assert_warmed_up_and_clean(served.handle)  # the replacement warmed up too

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from kvserve.v1 import generation_pb2 as pb
-from tests.serving import METADATA, TWO_REPLICAS, serve_locally
+from tests.serving import TWO_REPLICAS, serve_locally
 
 USES_SHARED_RAY = "3c"  # tests/serving.py: run with the modules of this group
 
@@ -25,7 +25,7 @@ def _replica_rows(handle, timeout: float = 30) -> list[dict]:
     return [r for r in results if isinstance(r, dict)]
 
 
-def _replica_states(app: str = "kvserve") -> dict[str, int]:
+def _replica_states(app: str) -> dict[str, int]:
     from ray import serve
 
     application = serve.status().applications.get(app)
@@ -53,7 +53,7 @@ def test_killing_a_replica_mid_stream_errors_that_stream_and_serve_recovers():
             prompt="Tell me a very long story.",
             params=pb.SamplingParams(max_tokens=2000, ignore_eos=True, temperature=0),
         )
-        stream = served.stub.Generate(request, metadata=METADATA, timeout=STREAM_DEADLINE_S)
+        stream = served.stub.Generate(request, metadata=served.metadata, timeout=STREAM_DEADLINE_S)
         received = 0
         for msg in stream:
             received += len(msg.token_ids)
@@ -81,7 +81,7 @@ def test_killing_a_replica_mid_stream_errors_that_stream_and_serve_recovers():
         # Serve notices the death, starts a replacement; new requests succeed.
         deadline, states, rows = time.monotonic() + 120, {}, []
         while time.monotonic() < deadline:
-            states = _replica_states()
+            states = _replica_states(served.app)
             if states == {"RUNNING": 2}:
                 rows = _replica_rows(served.handle)
                 ids = {r["replica_id"] for r in rows}
