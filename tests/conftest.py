@@ -12,7 +12,12 @@ import torch
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
 from workers.model_executor.cpu_kernels import load_cpu_kernels
-from workers.model_executor.loader import cache_root, resolve_model_dir
+from workers.model_executor.loader import (
+    LoadedCheckpoint,
+    cache_root,
+    load_checkpoint,
+    resolve_model_dir,
+)
 from workers.model_executor.tiny import tiny_checkpoint
 
 
@@ -23,9 +28,18 @@ def model_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
-def real_engine(model_dir: Path) -> LLMEngine:
+def real_checkpoint(model_dir: Path) -> LoadedCheckpoint:
+    """The default model's weights, config and tokenizer, read once: engines with other
+    settings pass it as `checkpoint=` rather than reading and parsing the files again.
+    (Engines copy the weights into their own model; nothing writes to these tensors.)"""
+    return load_checkpoint(None)
+
+
+@pytest.fixture(scope="session")
+def real_engine(real_checkpoint: LoadedCheckpoint) -> LLMEngine:
     """SmolLM2-135M-Instruct, fp32 on CPU, a 1 GiB KV pool. Shared: tests must leave it idle."""
-    return LLMEngine(EngineConfig(kv_cache_memory=1024**3, device="cpu"))
+    return LLMEngine(EngineConfig(kv_cache_memory=1024**3, device="cpu"),
+                     checkpoint=real_checkpoint)
 
 
 @pytest.fixture(scope="session")
@@ -72,7 +86,7 @@ def make_tiny_engine():
 
 # Fixtures that load the real model or start Ray: a test using one is `slow` (left out of
 # `make test-fast`), whether or not it carries the marker itself.
-SLOW_FIXTURES = {"model_dir", "real_engine", "hf_model"}
+SLOW_FIXTURES = {"model_dir", "real_checkpoint", "real_engine", "hf_model"}
 
 
 def _shared_ray_group(item: pytest.Item) -> str:

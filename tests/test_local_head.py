@@ -17,6 +17,8 @@ import pytest
 from cluster import local_head
 from tests.helpers import poll
 
+pytestmark = pytest.mark.slow  # each test starts a Ray head (seconds on 2 cores)
+
 OWNER_SCRIPT = textwrap.dedent("""
     import json, sys, time
     from cluster import local_head

@@ -1,6 +1,7 @@
 """Issue #4 through Ray Serve's gRPC proxy, with real Ray, real Redis and the real model:
-cache-aware routing keeps multi-turn chats on the replica holding their history, and the
-cache manager's Redis index matches what the workers hold."""
+cache-aware routing keeps multi-turn chats on the replica holding their history (and with it
+off, the same scenario misses), and the cache manager's Redis index matches what the workers
+hold, also after a replica that is streaming is killed and Redis and the manager restart."""
 
 from __future__ import annotations
 
