@@ -15,6 +15,7 @@ start their own heads and check that nothing is left behind; they must not see t
 from __future__ import annotations
 
 import contextlib
+import re
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -59,7 +60,9 @@ class Served:
         return list(self.stub.Generate(request, metadata=self.metadata))
 
     def metrics(self) -> dict[str, list[tuple[str, float]]]:
-        """Prometheus text of the node -> {family: [(labels, value), ...]}."""
+        """Prometheus text of the node -> {family: [(labels, value), ...]}, without the samples
+        of other Serve applications: the session's cluster served earlier apps, and their
+        series must not make this app's metrics look present."""
         url = f"http://127.0.0.1:{self.metrics_port}/metrics"
         families: dict[str, list[tuple[str, float]]] = {}
         for line in urllib.request.urlopen(url, timeout=5).read().decode().splitlines():
@@ -67,7 +70,9 @@ class Served:
                 continue
             head, value = line.rsplit(" ", 1)
             name, _, labels = head.partition("{")
-            families.setdefault(name, []).append((labels, float(value)))
+            app = re.search(r'(?:^|,)application="([^"]*)"', labels)
+            if app is None or app.group(1) == self.app:
+                families.setdefault(name, []).append((labels, float(value)))
         return families
 
 
