@@ -11,7 +11,7 @@ PROMPT ?= Explain in two sentences what a KV cache is.
 
 GRPC_PORT ?= 50051
 
-.PHONY: install run generate test lint bench proto clean gpu-check
+.PHONY: install run generate test test-fast lint bench proto clean gpu-check
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,12 @@ lint: $(STAMP)
 
 test: lint  ## the whole suite: lint, import contracts, tests
 	$(BIN)/python -m pytest
+
+# Quick feedback: engine, scheduler, KV blocks, sampler, kernels, graders, ledgers on tiny
+# models; no Ray, no real-model serving. `slow` is every test that loads the real model or
+# starts Ray (marked in the test, or by tests/conftest.py from the fixtures it uses).
+test-fast: $(STAMP)  ## the fast subset (no Ray, no real model): a few minutes
+	$(BIN)/python -m pytest -m "not slow" -q
 
 proto: $(STAMP)  ## regenerate kvserve/v1/ stubs from proto/
 	$(BIN)/python -m kvserve.protogen

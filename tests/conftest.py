@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,25 +12,13 @@ import torch
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
 from workers.model_executor.cpu_kernels import load_cpu_kernels
-from workers.model_executor.loader import cache_root, resolve_model_dir
+from workers.model_executor.loader import (
+    LoadedCheckpoint,
+    cache_root,
+    load_checkpoint,
+    resolve_model_dir,
+)
 from workers.model_executor.tiny import tiny_checkpoint
-
-# Fixtures that load the real SmolLM2 (or convert it): a test using one is `slow`.
-REAL_MODEL_FIXTURES = frozenset({"model_dir", "real_engine", "hf_model"})
-
-
-@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark `slow` every test that loads the real model through a shared fixture or starts Ray
-    (marked `ray`), so `pytest -m "not slow"` is the fast suite without listing each test: a new
-    test asking for `real_engine` is slow without anyone remembering to mark it. Tests that load
-    the model another way (their own engine, a `kvserve` subprocess) are marked where written."""
-    for item in items:
-        if item.get_closest_marker("ray") or REAL_MODEL_FIXTURES & set(
-            getattr(item, "fixturenames", ())
-        ):
-            item.add_marker(pytest.mark.slow)
-
 
 @pytest.fixture(scope="session")
 def model_dir() -> Path:
@@ -38,9 +27,18 @@ def model_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
-def real_engine(model_dir: Path) -> LLMEngine:
+def real_checkpoint(model_dir: Path) -> LoadedCheckpoint:
+    """The default model's weights, config and tokenizer, read once: engines with other
+    settings pass it as `checkpoint=` rather than reading and parsing the files again.
+    (Engines copy the weights into their own model; nothing writes to these tensors.)"""
+    return load_checkpoint(None)
+
+
+@pytest.fixture(scope="session")
+def real_engine(real_checkpoint: LoadedCheckpoint) -> LLMEngine:
     """SmolLM2-135M-Instruct, fp32 on CPU, a 1 GiB KV pool. Shared: tests must leave it idle."""
-    return LLMEngine(EngineConfig(kv_cache_memory=1024**3, device="cpu"))
+    return LLMEngine(EngineConfig(kv_cache_memory=1024**3, device="cpu"),
+                     checkpoint=real_checkpoint)
 
 
 @pytest.fixture(scope="session")
@@ -81,3 +79,61 @@ def make_tiny_engine():
         return LLMEngine(EngineConfig(**config), checkpoint=ckpt)
 
     return make
+
+
+# --- the session's Ray cluster (tests/serving.py) and the fast/slow split ------------------
+
+# Fixtures that load the real model or start Ray: a test using one is `slow` (left out of
+# `make test-fast`), whether or not it carries the marker itself.
+SLOW_FIXTURES = {"model_dir", "real_checkpoint", "real_engine", "hf_model"}
+
+
+def _shared_ray_group(item: pytest.Item) -> str:
+    """The module's `USES_SHARED_RAY` group ("" if it does not use the shared cluster, or the
+    test starts its own head): modules are run in group order, so that the tests that can
+    share a deployment run next to each other."""
+    if "own_ray_head" in getattr(item, "fixturenames", ()):
+        return ""
+    return str(getattr(getattr(item, "module", None), "USES_SHARED_RAY", "") or "")
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark `slow` every test that loads the real model through a shared fixture, starts Ray
+    (marked `ray`) or uses the shared cluster, so `pytest -m "not slow"` is the fast suite
+    without listing each test: a new test asking for `real_engine` is slow without anyone
+    remembering to mark it (tests that load the model another way, e.g. a `kvserve`
+    subprocess, are marked where written). Then run the modules on the shared Ray cluster
+    last, together and in group order, so the cluster starts once and deployments are reused."""
+    for item in items:
+        group = getattr(getattr(item, "module", None), "USES_SHARED_RAY", "")
+        if (group or item.get_closest_marker("ray")
+                or SLOW_FIXTURES & set(getattr(item, "fixturenames", ()))):
+            item.add_marker(pytest.mark.slow)
+    items.sort(key=_shared_ray_group)  # stable: file order is kept within each group
+
+
+@pytest.fixture(autouse=True)
+def _shared_ray_only_for_serving_modules(request: pytest.FixtureRequest) -> Iterator[None]:
+    """The shared cluster runs only during modules that use it (`USES_SHARED_RAY = True`):
+    other tests start their own Ray heads, or check that none is running."""
+    serving = sys.modules.get("tests.serving")
+    if serving is not None and serving.cluster_running() and not _shared_ray_group(request.node):
+        serving.shutdown_cluster()
+    yield
+
+
+@pytest.fixture
+def own_ray_head() -> None:
+    """For a test inside a shared-Ray module that starts its own head: the shared one goes."""
+    serving = sys.modules.get("tests.serving")
+    if serving is not None:
+        serving.shutdown_cluster()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _stop_shared_ray_at_the_end() -> Iterator[None]:
+    yield
+    serving = sys.modules.get("tests.serving")
+    if serving is not None:
+        serving.shutdown_cluster()

@@ -1,8 +1,21 @@
-"""A local Ray cluster serving the kvserve app behind Ray Serve's gRPC proxy, for tests."""
+"""A local Ray cluster serving the kvserve app behind Ray Serve's gRPC proxy, for tests.
+
+One Ray instance (with Serve and its gRPC proxy) is started per pytest session, on first use,
+and kept while the serving tests run: starting Ray and Serve costs seconds on a 2-core machine,
+and loading the model into every replica costs more. Each `serve_locally` deploys its app on that
+cluster (`serve.run` replaces whatever app ran before); a caller that leaves the deployment as
+it found it passes `reuse=True`, and the next caller asking for the same settings gets that same
+deployment without a redeploy. Tests that kill replicas, restart Redis or change the replicas'
+environment deploy their own (the default), which is deleted when their block ends.
+
+Modules whose tests use this cluster set `USES_SHARED_RAY = True`: `tests/conftest.py` runs
+them together, and shuts the cluster down before any other test (tests of process lifetimes
+start their own heads and check that nothing is left behind; they must not see this one)."""
 
 from __future__ import annotations
 
 import contextlib
+import re
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -16,8 +29,12 @@ from cluster.local_head import free_port
 from kvserve.v1 import generation_pb2 as pb
 from kvserve.v1 import generation_pb2_grpc as pb_grpc
 
-APP = "kvserve"
+APP = "kvserve"  # the name kvserve's own clients (CLI, Locust) send as gRPC metadata
 METADATA = (("application", APP),)
+# The 1-replica app that the tests needing nothing special share (`reuse=True`)
+DEFAULT_APP = {"kv_cache_memory": "512MiB"}
+# The 2-replica app the routing, exactness and kill tests share
+TWO_REPLICAS = {"replicas": 2, "num_cpus_per_replica": 1, "kv_cache_memory": "256MiB"}
 
 
 @dataclass
@@ -26,13 +43,26 @@ class Served:
     handle: Any  # the deployment's DeploymentHandle
     target: str
     metrics_port: int
+    app: str = APP  # the Serve application's name: gRPC metadata, cache-manager key
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        """The gRPC metadata that routes a call to this application."""
+        return (("application", self.app),)
+
+    @property
+    def manager_key(self) -> str:
+        """The name of this application's cache-manager actor."""
+        return cache_manager.deployment_key(self.app, "Generation")
 
     def stream(self, prompt: str, **params: Any) -> list[pb.GenerateResponse]:
         request = pb.GenerateRequest(prompt=prompt, params=pb.SamplingParams(**params))
-        return list(self.stub.Generate(request, metadata=METADATA))
+        return list(self.stub.Generate(request, metadata=self.metadata))
 
     def metrics(self) -> dict[str, list[tuple[str, float]]]:
-        """Prometheus text of the node -> {family: [(labels, value), ...]}."""
+        """Prometheus text of the node -> {family: [(labels, value), ...]}, without the samples
+        of other Serve applications: the session's cluster served earlier apps, and their
+        series must not make this app's metrics look present."""
         url = f"http://127.0.0.1:{self.metrics_port}/metrics"
         families: dict[str, list[tuple[str, float]]] = {}
         for line in urllib.request.urlopen(url, timeout=5).read().decode().splitlines():
@@ -40,12 +70,32 @@ class Served:
                 continue
             head, value = line.rsplit(" ", 1)
             name, _, labels = head.partition("{")
-            families.setdefault(name, []).append((labels, float(value)))
+            app = re.search(r'(?:^|,)application="([^"]*)"', labels)
+            if app is None or app.group(1) == self.app:
+                families.setdefault(name, []).append((labels, float(value)))
         return families
 
 
-@contextlib.contextmanager
-def serve_locally(app_args: dict[str, Any]) -> Iterator[Served]:
+@dataclass
+class _Cluster:
+    """The session's Ray + Serve, and the app deployed on it (if any)."""
+
+    metrics_port: int
+    grpc_port: int
+    env: dict[str, str]  # the environment variables its workers were started with
+    channel: grpc.Channel
+    app_args: dict[str, Any] | None = None  # settings of the deployed app, None if none
+    served: Served | None = None
+    reusable: bool = False  # the deployed app was left as deployed (see serve_locally)
+
+
+_cluster: _Cluster | None = None
+_deploys = 0  # apps deployed this session (for unique names)
+# Counted across the session, so a test run can say how many starts it paid for.
+STARTS = {"cluster": 0, "deploy": 0}
+
+
+def _start_cluster(env: dict[str, str]) -> _Cluster:
     import ray
     from ray import serve
     from ray.serve.config import gRPCOptions
@@ -57,17 +107,95 @@ def serve_locally(app_args: dict[str, Any]) -> Iterator[Served]:
         log_to_driver=False,
         _metrics_export_port=metrics_port,
         _system_config={"metrics_report_interval_ms": 1000},
+        # workers inherit the driver's environment at start; pass the asked-for variables
+        # explicitly too, so the cluster's environment is what `env` says
+        runtime_env={"env_vars": env} if env else None,
     )
     serve.start(
         grpc_options=gRPCOptions(port=port, grpc_servicer_functions=GRPC_SERVICER_FUNCTIONS),
         http_options={"host": "127.0.0.1", "port": free_port()},
     )
-    handle = serve.run(build_app(app_args), name=APP)
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    STARTS["cluster"] += 1
+    return _Cluster(metrics_port, port, dict(env), grpc.insecure_channel(f"127.0.0.1:{port}"))
+
+
+def _undeploy(cluster: _Cluster) -> None:
+    """Delete the deployed app and its cache manager (+ its Redis); the cluster stays."""
+    from ray import serve
+
+    if cluster.app_args is None:
+        return
+    app = cluster.served.app if cluster.served else APP
+    cluster.app_args, cluster.served, cluster.reusable = None, None, False
+    cache_manager.shutdown(cache_manager.deployment_key(app, "Generation"))
+    serve.delete(app)
+
+
+def shutdown_cluster() -> None:
+    """Stop the session's cluster (no-op if none runs)."""
+    global _cluster
+    if _cluster is None:
+        return
+    import ray
+    from ray import serve
+
+    cluster, _cluster = _cluster, None
     try:
-        yield Served(pb_grpc.GenerationStub(channel), handle, f"127.0.0.1:{port}", metrics_port)
+        _undeploy(cluster)
     finally:
-        channel.close()
-        cache_manager.shutdown(cache_manager.deployment_key(APP, "Generation"))  # + its Redis
+        cluster.channel.close()
         serve.shutdown()
         ray.shutdown()
+
+
+def cluster_running() -> bool:
+    return _cluster is not None
+
+
+@contextlib.contextmanager
+def serve_locally(app_args: dict[str, Any], *, reuse: bool = False,
+                  env: dict[str, str] | None = None, name: str | None = None
+                  ) -> Iterator[Served]:
+    """The kvserve app with `app_args`, deployed on the session's cluster.
+
+    reuse: the caller leaves the deployment as it found it (no kill, no restart, nothing left
+    running), so it may be kept after the block for the next caller with equal `app_args`.
+    env: environment variables the replicas need; a cluster started without exactly these is
+    replaced (Ray's workers get their environment when the cluster starts).
+    name: the application's name; by default a new one for each deployment. Serve's proxy
+    keeps a deployment's request router across a redeploy under the same name, and that
+    router still holds the deleted app's cache manager: its first lookup fails and it routes
+    on load for a few seconds. Pass `APP` where a kvserve client (which sends "kvserve")
+    calls the app."""
+    global _cluster, _deploys
+    env = dict(env or {})
+    if _cluster is not None and _cluster.env != env:
+        shutdown_cluster()
+    if _cluster is None:
+        _cluster = _start_cluster(env)
+    cluster = _cluster
+    served = cluster.served
+    if not (reuse and cluster.reusable and cluster.app_args == app_args and served is not None
+            and (name is None or served.app == name)):
+        from ray import serve
+
+        _undeploy(cluster)
+        _deploys += 1
+        app = name or f"{APP}-{_deploys}"
+        handle = serve.run(build_app(app_args), name=app)
+        STARTS["deploy"] += 1
+        cluster.app_args = dict(app_args)
+        cluster.served = Served(pb_grpc.GenerationStub(cluster.channel), handle,
+                                f"127.0.0.1:{cluster.grpc_port}", cluster.metrics_port, app)
+    cluster.reusable = False  # until this block ends cleanly
+    assert cluster.served is not None
+    try:
+        yield cluster.served
+    except BaseException:
+        _undeploy(cluster)
+        raise
+    if reuse:
+        cluster.reusable = True
+    else:
+        _undeploy(cluster)
+

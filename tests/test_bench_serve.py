@@ -9,7 +9,9 @@ import pytest
 
 from kvserve.bench.serve import run_serve_bench, summarize
 from kvserve.cli import build_parser
-from tests.serving import serve_locally
+from tests.serving import APP, DEFAULT_APP, serve_locally
+
+USES_SHARED_RAY = "1"  # tests/serving.py: run with the modules of this group
 
 pytestmark = pytest.mark.ray  # starts Ray, so also slow (tests/conftest.py)
 
@@ -18,7 +20,7 @@ LEVEL_KEYS = {"concurrency", "service_tok_s", "engine_tok_s", "ttft_p50_ms", "tt
 
 
 def test_bench_serve_reports_every_level_for_service_and_engine():
-    with serve_locally({"kv_cache_memory": "256MiB"}) as served:
+    with serve_locally(DEFAULT_APP, reuse=True, name=APP) as served:
         report = run_serve_bench(served.target, concurrency=[1, 2], requests=4, prompt_len=16,
                                  output_len=8, progress=False)
     result = json.loads(json.dumps(report.to_dict()))  # what --json prints

@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from kvserve.cli import main
-from tests.serving import serve_locally
+from tests.serving import APP, DEFAULT_APP, serve_locally
+
+USES_SHARED_RAY = "1"  # tests/serving.py: run with the modules of this group
 
 RECALL_ARGS = ["eval", "recall", "--tasks", "passkey", "--lengths", "1k,2k", "--depths",
                "0,50,100", "--samples", "4", "--json"]
@@ -89,7 +91,7 @@ def test_recall_answers_equal_transformers_generate(recall_run, hf_model, real_e
 
 
 def test_recall_over_grpc_answers_exactly_as_in_process(recall_run, tmp_path):
-    with serve_locally({"kv_cache_memory": "512MiB"}) as served:
+    with serve_locally(DEFAULT_APP, reuse=True, name=APP) as served:
         assert main([*RECALL_ARGS, "--out", str(tmp_path), "--target", served.target]) == 0
     remote = {r["key"]: r["response_token_ids"] for r in records(tmp_path)}
     assert remote == {r["key"]: r["response_token_ids"] for r in recall_run}

@@ -1,4 +1,4 @@
-"""`kvserve loadtest` (issue #6) against a real 1-replica deployment over gRPC: 30 s of 8 users
+"""`kvserve loadtest` (issue #6) against a real 1-replica deployment over gRPC: 10 s of 8 users
 (no failures, Locust's CSV has the TTFT and stream entries, the service's own generated-token
 counter agrees with Locust's), and an overload (admission control refuses the excess fast and
 leaves nothing behind)."""
@@ -13,21 +13,22 @@ import pytest
 
 from kvserve.v1 import generation_pb2 as pb
 from tests.helpers import poll
-from tests.serving import serve_locally
+from tests.serving import APP, DEFAULT_APP, serve_locally
 from tests.test_cli import KVSERVE
 
 pytestmark = pytest.mark.ray  # starts Ray, so also slow (tests/conftest.py)
+USES_SHARED_RAY = "1"  # tests/serving.py: run with the modules of this group
 
 
 def _service_tokens(served) -> float:
     return sum(v for _, v in served.metrics().get("ray_kvserve_generation_tokens_total", []))
 
 
-def test_30s_of_8_users_fail_nothing_and_count_the_tokens_the_service_counted(tmp_path):
-    with serve_locally({"kv_cache_memory": "512MiB"}) as served:
+def test_10s_of_8_users_fail_nothing_and_count_the_tokens_the_service_counted(tmp_path):
+    with serve_locally(DEFAULT_APP, reuse=True, name=APP) as served:
         before = _service_tokens(served)
         done = subprocess.run([*KVSERVE, "loadtest", "--target", served.target, "--users", "8",
-                               "--spawn-rate", "8", "--run-time", "30s", "--workload", "short",
+                               "--spawn-rate", "8", "--run-time", "10s", "--workload", "short",
                                "--out", str(tmp_path), "--json"],
                               capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stderr[-3000:]
@@ -56,14 +57,16 @@ def test_loadtest_help_explains_itself():
 
 
 def test_overload_refuses_fast_keeps_the_admitted_and_leaves_nothing_behind(tmp_path):
-    """48 users against a replica that runs 4 and queues 4, for 60 s: the rest are refused with
-    RESOURCE_EXHAUSTED within a tenth of their deadline, nothing else fails, admitted streams
-    complete, and afterwards the replica is idle with no KV in use and serves the next request."""
+    """48 users against a replica that runs 4 and queues 4, for 20 s (a 60 s deadline): the rest
+    are refused with RESOURCE_EXHAUSTED within a tenth of their deadline, nothing else fails,
+    admitted streams complete, and afterwards the replica is idle with no KV in use and serves
+    the next request. (20 s is enough: every user is refused within a second of spawning, and
+    refused again after its backoff.)"""
     deadline_s = 60
     app = {"kv_cache_memory": "256MiB", "max_num_seqs": 4, "max_waiting_requests": 4}
-    with serve_locally(app) as served:
+    with serve_locally(app, name=APP) as served:  # Locust sends application=kvserve
         done = subprocess.run([*KVSERVE, "loadtest", "--target", served.target, "--users", "48",
-                               "--spawn-rate", "48", "--run-time", "60s", "--workload", "short",
+                               "--spawn-rate", "48", "--run-time", "20s", "--workload", "short",
                                "--timeout", str(deadline_s), "--out", str(tmp_path), "--json"],
                               capture_output=True, text=True, timeout=900)
         assert done.returncode == 0, done.stderr[-3000:]
@@ -97,7 +100,7 @@ def _wait_idle(served, timeout_s: float = 60) -> dict:
 
 
 def test_without_a_target_it_runs_and_takes_down_its_own_deployment_on_a_new_machine(
-        model_dir, tmp_path, monkeypatch):
+        model_dir, tmp_path, monkeypatch, own_ray_head):
     """Issue #14: no --target, an empty HOME (no ~/.ray/auth_token): the local deployment
     starts, serves the load, reports replica memory (a driver on its head's token), and is gone
     afterwards: no state file, no head temp dir, no embedded Redis directory (the Ray head's and
@@ -135,9 +138,8 @@ def _tmp_dirs(prefix: str) -> set:
     return set(Path(tempfile.gettempdir()).glob(f"{prefix}*"))
 
 
-def test_sigterm_to_its_process_group_while_it_deploys_leaves_nothing_behind(model_dir,
-                                                                              tmp_path,
-                                                                              monkeypatch):
+def test_sigterm_to_its_process_group_while_it_deploys_leaves_nothing_behind(
+        model_dir, tmp_path, monkeypatch, own_ray_head):
     """Issue #14: `timeout` (SIGTERM to the whole process group) ending `kvserve loadtest` while
     its local head starts (before Ray's own handler is installed, which would raise SystemExit):
     it exits promptly and its head, temp dir and state file go. A SIGTERM after the load

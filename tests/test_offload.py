@@ -169,17 +169,18 @@ def long_prompt(i: int, sentences: int = 14) -> str:
     return f"Report {i}. {facts} Summarise report {i} in one sentence:"
 
 
-def real_engine_with(**cfg) -> LLMEngine:
+def real_engine_with(checkpoint, **cfg) -> LLMEngine:
+    """The real model with other settings, on the session's loaded checkpoint."""
     from workers.config import EngineConfig
 
-    return LLMEngine(EngineConfig(device="cpu", **cfg))
+    return LLMEngine(EngineConfig(device="cpu", **cfg), checkpoint=checkpoint)
 
 
-def test_host_tier_hits_are_token_identical(real_engine, model_dir):
+def test_host_tier_hits_are_token_identical(real_engine, real_checkpoint):
     """Two conversations take turns on a device pool that holds one history at a time: each
     turn's history was demoted to the host tier by the other's, and comes back by copy."""
-    engine = real_engine_with(num_kv_blocks=40, num_host_kv_blocks=80, max_num_seqs=1,
-                              enable_prefix_caching=True)
+    engine = real_engine_with(real_checkpoint, num_kv_blocks=40, num_host_kv_blocks=80,
+                              max_num_seqs=1, enable_prefix_caching=True)
     histories = {0: long_prompt(0), 1: long_prompt(1)}
     for turn in range(3):
         for conv, history in histories.items():
@@ -195,7 +196,8 @@ def test_host_tier_hits_are_token_identical(real_engine, model_dir):
     assert_engine_idle(engine)
 
 
-def test_swap_under_pressure_keeps_32_outputs_identical_to_solo_runs(real_engine):
+def test_swap_under_pressure_keeps_32_outputs_identical_to_solo_runs(real_engine,
+                                                                    real_checkpoint):
     """Acceptance 3: the device pool fits a quarter of the working set, the host tier the rest."""
     prompts = [long_prompt(i) for i in range(32)]
     requests = [{"prompt": p, "params": GREEDY, "request_id": f"r{i}"}
@@ -203,7 +205,7 @@ def test_swap_under_pressure_keeps_32_outputs_identical_to_solo_runs(real_engine
     lengths = [len(real_engine.tokenizer(p).input_ids) + GREEDY["max_tokens"] for p in prompts]
     working_set = sum(-(-n // 16) for n in lengths)
     assert min(lengths) > 300
-    engine = real_engine_with(num_kv_blocks=working_set // 4,
+    engine = real_engine_with(real_checkpoint, num_kv_blocks=working_set // 4,
                               num_host_kv_blocks=working_set - working_set // 4 + 32)
     expected = {r["request_id"]: solo_ids(real_engine, **r) for r in requests}
     outputs = engine.generate_all(requests)

@@ -11,7 +11,9 @@ import pytest
 
 from kvserve.v1 import generation_pb2 as pb
 from tests.helpers import poll
-from tests.serving import APP, METADATA, serve_locally
+from tests.serving import serve_locally
+
+USES_SHARED_RAY = "2"  # tests/serving.py: run with the modules of this group
 
 pytestmark = pytest.mark.ray  # starts Ray, so also slow (tests/conftest.py)
 
@@ -21,7 +23,7 @@ DEADLINE_S = 120  # a hang fails as DEADLINE_EXCEEDED instead of blocking the su
 def _long_stream(served, prompt: str):
     request = pb.GenerateRequest(
         prompt=prompt, params=pb.SamplingParams(max_tokens=1500, ignore_eos=True))
-    return served.stub.Generate(request, metadata=METADATA, timeout=DEADLINE_S)
+    return served.stub.Generate(request, metadata=served.metadata, timeout=DEADLINE_S)
 
 
 def _wait_for_waiting(handle, count: int, timeout_s: float = 30) -> None:
@@ -50,7 +52,7 @@ def test_full_admission_queue_then_shutdown_through_the_proxy():
 
         from ray import serve
 
-        serve.delete(APP, _blocking=False)  # Serve waits 1 s, then the replica shuts down
+        serve.delete(served.app, _blocking=False)  # Serve waits 1 s, then the replica shuts down
         running_codes: list[grpc.StatusCode] = []
         _drain_into(running, running_codes)
         waiter.join(DEADLINE_S)

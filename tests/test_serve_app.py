@@ -12,7 +12,9 @@ from pydantic import ValidationError
 from cluster.app import AppConfig
 from kvserve.v1 import generation_pb2 as pb
 from tests.helpers import poll, solo_ids
-from tests.serving import METADATA, Served, serve_locally
+from tests.serving import Served, serve_locally
+
+USES_SHARED_RAY = "2"  # tests/serving.py: run with the modules of this group
 
 pytestmark = pytest.mark.ray  # starts Ray, so also slow (tests/conftest.py)
 
@@ -54,7 +56,7 @@ def test_cancelled_stream_frees_its_blocks_on_the_replica(served):
             prompt="Count to a thousand:",
             params=pb.SamplingParams(max_tokens=1000, ignore_eos=True),
         ),
-        metadata=METADATA,
+        metadata=served.metadata,
     )
     next(call)
     assert handle.kv_cache_usage.remote().result() > 0
@@ -64,7 +66,7 @@ def test_cancelled_stream_frees_its_blocks_on_the_replica(served):
 
 def test_model_info_through_the_proxy(served):
     stub = served.stub
-    info = stub.ModelInfo(pb.ModelInfoRequest(), metadata=METADATA)
+    info = stub.ModelInfo(pb.ModelInfoRequest(), metadata=served.metadata)
     assert (info.model, info.replicas, info.vocab_size) == ("SmolLM2-135M-Instruct", 1, 49152)
 
 
@@ -118,7 +120,7 @@ def test_async_client_streams_and_reports_errors(served):
     target = served.target
 
     async def scenario() -> None:
-        async with AsyncClient(target) as client:
+        async with AsyncClient(target, application=served.app) as client:
             chunks = [c async for c in client.generate("Hello", max_tokens=5, temperature=0)]
             assert sum(len(c.token_ids) for c in chunks) == 5
             assert (await client.model_info()).replicas == 1
@@ -145,7 +147,7 @@ def test_prometheus_endpoint_exposes_every_metric_during_traffic(served):
     long = pb.GenerateRequest(
         prompt="Tell me a long story.", params=pb.SamplingParams(max_tokens=2000, ignore_eos=True)
     )
-    calls = [stub.Generate(long, metadata=METADATA) for _ in range(3)]  # the third one waits
+    calls = [stub.Generate(long, metadata=served.metadata) for _ in range(3)]  # the third one waits
     missing: list[str] = list(METRIC_NAMES)
     deadline = time.monotonic() + 60
     try:
@@ -173,7 +175,7 @@ def test_50_random_cancels_leave_kv_usage_at_zero(served):
     )
 
     def read_then_cancel(tokens: int) -> None:
-        call = served.stub.Generate(request, metadata=METADATA)
+        call = served.stub.Generate(request, metadata=served.metadata)
         for _ in range(tokens):
             next(call)
         call.cancel()
@@ -192,7 +194,7 @@ def test_deadline_exceeded_aborts_the_request_and_frees_its_blocks(served):
     )
     start = time.monotonic()
     with pytest.raises(grpc.RpcError) as err:
-        for _ in served.stub.Generate(request, metadata=METADATA, timeout=2.0):
+        for _ in served.stub.Generate(request, metadata=served.metadata, timeout=2.0):
             pass
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert time.monotonic() - start < 10

@@ -1,14 +1,18 @@
 """Issue #4 through Ray Serve's gRPC proxy, with real Ray, real Redis and the real model:
-cache-aware routing keeps multi-turn chats on the replica holding their history, and the
-cache manager's Redis index matches what the workers hold."""
+cache-aware routing keeps multi-turn chats on the replica holding their history (and with it
+off, the same scenario misses), and the cache manager's Redis index matches what the workers
+hold, also after a replica that is streaming is killed and Redis and the manager restart."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -20,12 +24,13 @@ from cache_manager.redis_server import start_embedded
 from cluster.cache_check import find_problems
 from kvserve.v1 import generation_pb2 as pb
 from tests.helpers import poll, solo_ids
-from tests.serving import APP, METADATA, serve_locally
+from tests.serving import TWO_REPLICAS, Served, serve_locally
 from tests.test_serve_replica_kill import _replica_rows, _replica_states
 
 pytestmark = pytest.mark.ray  # starts Ray, so also slow (tests/conftest.py)
+USES_SHARED_RAY = "3a"  # tests/serving.py: run with the modules of this group
 
-MANAGER_KEY = cache_manager.deployment_key(APP, "Generation")
+HIT_RATE = 0.9  # of later turns' prompt tokens found cached, with routing
 PLACES = ["Lisbon", "Oslo", "Quito", "Hanoi", "Accra", "Perth", "Lima", "Riga"]
 
 
@@ -37,16 +42,16 @@ def document(i: int) -> str:
     return f"You answer questions about the {place} harbour log below.\n" + "\n".join(lines)
 
 
-def chat_turn(stub, doc: str, history: list, question: str) -> tuple[str, pb.Usage]:
+def chat_turn(served: Served, doc: str, history: list, question: str) -> tuple[str, pb.Usage]:
     messages = [pb.ChatMessage(role="system", content=doc), *history,
                 pb.ChatMessage(role="user", content=question)]
     request = pb.GenerateRequest(messages=pb.ChatMessages(messages=messages),
                                  params=pb.SamplingParams(temperature=0, max_tokens=8))
-    responses = list(stub.Generate(request, metadata=METADATA))
+    responses = list(served.stub.Generate(request, metadata=served.metadata))
     return "".join(r.text for r in responses), responses[-1].usage
 
 
-def conversations(stub, count: int = 8, turns: int = 5) -> list[list[pb.Usage]]:
+def conversations(served: Served, count: int = 8, turns: int = 5) -> list[list[pb.Usage]]:
     """`count` chats advancing in rounds: each round sends every chat's next turn at once.
     (Chats that each wait for their own previous turn would stick to one replica under plain
     least-loaded routing too: the replica that just answered is the less loaded one.)"""
@@ -55,7 +60,7 @@ def conversations(stub, count: int = 8, turns: int = 5) -> list[list[pb.Usage]]:
 
     def turn(i: int, t: int) -> None:
         question = f"Question {t}: which ship arrived at berth {t + 1}?"
-        answer, usage = chat_turn(stub, document(i), histories[i], question)
+        answer, usage = chat_turn(served, document(i), histories[i], question)
         usages[i].append(usage)
         histories[i] += [pb.ChatMessage(role="user", content=question),
                          pb.ChatMessage(role="assistant", content=answer)]
@@ -68,97 +73,7 @@ def conversations(stub, count: int = 8, turns: int = 5) -> list[list[pb.Usage]]:
 
 def cache_check(served) -> list[str]:
     """What `kvserve cache check` prints: every difference between Redis and the workers."""
-    return find_problems(served.handle, cache_manager.get(MANAGER_KEY))
-
-
-def test_multi_turn_chats_stay_on_the_replica_holding_their_history():
-    """Acceptance 4: 8 conversations x 5 turns over 2 replicas; every later turn finds its
-    history cached (so it was routed to its holder) and turns 2-5 hit > 90% of prompt tokens."""
-    app = {"replicas": 2, "kv_cache_memory": "256MiB", "num_cpus_per_replica": 1}
-    with serve_locally(app) as served:
-        chats = conversations(served.stub)
-        later = [u for usages in chats for u in usages[1:]]
-        for i, usages in enumerate(chats):
-            for turn, usage in enumerate(usages[1:], start=2):
-                assert usage.cached_tokens > 0.8 * usage.prompt_tokens, (i, turn, usage)
-        rate = sum(u.cached_tokens for u in later) / sum(u.prompt_tokens for u in later)
-        assert rate > 0.9, rate
-        assert cache_check(served) == []
-
-
-def test_chaos_leaves_an_exact_index_no_leaks_and_no_crossed_outputs(real_engine, tmp_path):
-    """Acceptance 5: while clients stream, SIGKILL a replica, restart Redis (empty), restart the
-    manager actor; then `cache check` finds nothing, no KV block is leaked, and every request that
-    finished got exactly its own solo output."""
-    redis = start_embedded(tmp_path / "redis")  # an external Redis (REDIS_URL) we can restart
-    shared = document(0)
-    prompts = [f"{shared}\nQuestion {i}: what did ship {i} carry?" for i in range(10)]
-    params = {"temperature": 0, "max_tokens": 16}
-    expected = [solo_ids(real_engine, prompt=p, params=params) for p in prompts]
-    app = {"replicas": 2, "num_cpus_per_replica": 1, "kv_cache_memory": "64MiB",
-           "cpu_offload_memory": "32MiB", "redis_url": redis.url, "kv_lease_ttl_s": 3.0}
-    try:
-        with serve_locally(app) as served:
-            outcomes = _stream_through_chaos(served, prompts, params, lambda: _chaos(served, redis))
-            redis = outcomes.pop("redis")
-            ok = [(i, ids) for i, ids in outcomes["done"]]
-            assert len(ok) >= 10 and all(ids == expected[i] for i, ids in ok)
-            assert set(outcomes["errors"]) <= {"UNAVAILABLE"}, outcomes["errors"]
-            _wait_for_running_replicas(2)
-            assert find_problems(served.handle, cache_manager.get(MANAGER_KEY), attempts=30) == []
-            for stats in served.handle.broadcast("kv_stats").results():
-                assert stats["device_used"] == 0, stats  # every block free or cached
-                assert stats["host_used"] == stats["host_cached"], stats  # nothing swapped
-            manager_stats = ray.get(cache_manager.get(MANAGER_KEY).stats.remote())
-            assert manager_stats["full_reports"] >= 2  # the restarted manager rebuilt Redis
-    finally:
-        redis.close()
-
-
-def _stream_through_chaos(served, prompts, params, chaos) -> dict:
-    done, errors, stop = [], [], threading.Event()
-
-    def client(k: int) -> None:
-        i = k
-        while not stop.is_set():
-            request = pb.GenerateRequest(prompt=prompts[i % len(prompts)],
-                                         params=pb.SamplingParams(**params))
-            try:
-                ids = [t for r in served.stub.Generate(request, metadata=METADATA, timeout=120)
-                       for t in r.token_ids]
-                done.append((i % len(prompts), ids))
-            except grpc.RpcError as exc:
-                errors.append(exc.code().name)
-            i += 4
-
-    with ThreadPoolExecutor(4) as pool:
-        clients = [pool.submit(client, k) for k in range(4)]
-        try:
-            redis = chaos()
-        finally:
-            stop.set()
-        for c in clients:
-            c.result()
-    return {"done": done, "errors": errors, "redis": redis}
-
-
-def _chaos(served, redis):
-    time.sleep(4)
-    busy = [r for r in _replica_rows(served.handle) if r["running"] > 0]
-    os.kill((busy or _replica_rows(served.handle))[0]["pid"], signal.SIGKILL)
-    time.sleep(2)
-    data_dir = Path(redis.url.removeprefix("unix://")).parent
-    redis.stop_server()
-    redis = start_embedded(data_dir)  # the same address, empty
-    time.sleep(2)
-    ray.kill(cache_manager.get(MANAGER_KEY), no_restart=False)  # Ray restarts it
-    time.sleep(4)
-    return redis
-
-
-def _wait_for_running_replicas(count: int, timeout: float = 120) -> None:
-    states = poll(_replica_states, lambda s: s == {"RUNNING": count}, timeout, 1.0)
-    assert states == {"RUNNING": count}, states
+    return find_problems(served.handle, cache_manager.get(served.manager_key))
 
 
 def test_kv_cache_metrics_reach_prometheus_under_memory_pressure():
@@ -182,3 +97,154 @@ def test_kv_cache_metrics_reach_prometheus_under_memory_pressure():
             families = served.metrics()
             missing = [m for m in KV_CACHE_METRIC_NAMES if not _nonzero(families, m)]
         assert not missing, f"metrics absent or zero: {missing}"
+
+
+@pytest.mark.parametrize("routed", [True, False], ids=["routed", "unrouted"])
+def test_multi_turn_chats_stay_on_the_replica_holding_their_history(routed):
+    """Acceptance 4: 8 conversations x 5 turns over 2 replicas; every later turn finds its
+    history cached (so it was routed to its holder) and turns 2-5 hit > 90% of prompt tokens.
+
+    Negative control: with cache-aware routing off, Serve's own (load-based) router sends turns
+    to either replica, and the same thresholds fail: measured by hand on this machine, the
+    unrouted rate is about 0.5-0.7 and several turns find none of their history."""
+    # the routed run leaves the 2-replica deployment as it found it: the tests of
+    # test_serve_two_replicas and test_serve_replica_kill reuse it
+    app = TWO_REPLICAS if routed else {**TWO_REPLICAS, "cache_aware_routing": False}
+    with serve_locally(app, reuse=routed) as served:
+        chats = conversations(served)
+        later = [(i, turn, usage) for i, usages in enumerate(chats)
+                 for turn, usage in enumerate(usages[1:], start=2)]
+        missed = [(i, turn, u) for i, turn, u in later
+                  if not u.cached_tokens > 0.8 * u.prompt_tokens]
+        rate = sum(u.cached_tokens for *_, u in later) / sum(u.prompt_tokens for *_, u in later)
+        assert cache_check(served) == []  # routing or not, Redis matches the workers
+    if routed:
+        assert missed == [], missed
+        assert rate > HIT_RATE, rate
+    else:
+        assert missed and rate < HIT_RATE, (rate, missed)
+
+
+def test_chaos_leaves_an_exact_index_no_leaks_and_no_crossed_outputs(real_engine, tmp_path):
+    """Acceptance 5: while clients stream, SIGKILL a replica that is streaming, restart Redis
+    (empty), restart the manager actor; then `cache check` finds nothing, no KV block is leaked,
+    every request that finished got exactly its own solo output, at least one stream was cut
+    by the kill, and at least 10 requests sent after the chaos ended finished exactly."""
+    redis = start_embedded(tmp_path / "redis")  # an external Redis (REDIS_URL) we can restart
+    shared = document(0)
+    prompts = [f"{shared}\nQuestion {i}: what did ship {i} carry?" for i in range(10)]
+    # 48 tokens: a stream lasts long enough that the replica picked as busy is still streaming
+    # when the kill lands
+    params = {"temperature": 0, "max_tokens": 48, "ignore_eos": True}
+    expected = [solo_ids(real_engine, prompt=p, params=params) for p in prompts]
+    app = {"replicas": 2, "num_cpus_per_replica": 1, "kv_cache_memory": "64MiB",
+           "cpu_offload_memory": "32MiB", "redis_url": redis.url, "kv_lease_ttl_s": 3.0}
+    try:
+        with serve_locally(app) as served:
+            traffic = _Traffic(served, prompts, params)
+            with traffic.running():
+                redis, began, ended = _chaos(served, redis, traffic)
+                after = traffic.wait_for(lambda r: r.sent_at > ended and r.error is None, 10,
+                                         timeout_s=300)
+            results = traffic.results
+            assert all(r.ids == expected[r.index] for r in results if r.error is None)
+            assert {r.error for r in results} <= {None, "UNAVAILABLE"}, results
+            interrupted = [r for r in results if r.error and r.tokens > 0
+                           and r.sent_at < began < r.ended_at]
+            assert interrupted, "the kill cut no stream: the killed replica was idle"
+            assert len(after) >= 10, f"{len(after)} requests finished after the chaos"
+            _wait_for_running_replicas(served, 2)
+            manager = cache_manager.get(served.manager_key)
+            assert find_problems(served.handle, manager, attempts=30) == []
+            for stats in served.handle.broadcast("kv_stats").results():
+                assert stats["device_used"] == 0, stats  # every block free or cached
+                assert stats["host_used"] == stats["host_cached"], stats  # nothing swapped
+            manager_stats = ray.get(cache_manager.get(served.manager_key).stats.remote())
+            assert manager_stats["full_reports"] >= 2  # the restarted manager rebuilt Redis
+    finally:
+        redis.close()
+
+
+@dataclass
+class _Request:
+    index: int  # into the prompts
+    sent_at: float  # time.monotonic() when the client sent it
+    ended_at: float = 0.0
+    tokens: int = 0  # token ids received
+    ids: list[int] = field(default_factory=list)
+    error: str | None = None  # the gRPC status name, None if it finished
+
+
+class _Traffic:
+    """4 clients streaming the prompts in turn, each sending its next request when the last
+    ends; every request's timing and outcome is kept."""
+
+    def __init__(self, served, prompts: list[str], params: dict) -> None:
+        self.served, self.prompts, self.params = served, prompts, params
+        self.results: list[_Request] = []
+        self.stop = threading.Event()
+
+    def _client(self, k: int) -> None:
+        i = k
+        while not self.stop.is_set():
+            r = _Request(i % len(self.prompts), time.monotonic())
+            request = pb.GenerateRequest(prompt=self.prompts[r.index],
+                                         params=pb.SamplingParams(**self.params))
+            try:
+                for response in self.served.stub.Generate(request, metadata=self.served.metadata,
+                                                          timeout=120):
+                    r.ids += response.token_ids
+                    r.tokens = len(r.ids)
+            except grpc.RpcError as exc:
+                r.error = exc.code().name
+            r.ended_at = time.monotonic()
+            self.results.append(r)
+            i += 4
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        with ThreadPoolExecutor(4) as pool:
+            clients = [pool.submit(self._client, k) for k in range(4)]
+            try:
+                yield
+            finally:
+                self.stop.set()
+            for c in clients:
+                c.result()
+
+    def wait_for(self, which: Callable[[_Request], bool], count: int,
+                 timeout_s: float = 120) -> list[_Request]:
+        """The requests `which` selects, once `count` of them have ended (or at the timeout)."""
+        return poll(lambda: [r for r in list(self.results) if which(r)],
+                    lambda found: len(found) >= count, timeout_s, 0.1)
+
+
+def _chaos(served, redis, traffic: _Traffic):
+    """Kill a replica while it streams, restart Redis empty, restart the cache manager; between
+    steps, wait until traffic has moved on (two more requests ended), not for fixed times.
+    Returns the new Redis handle and when the chaos began and ended."""
+
+    def two_more() -> None:
+        seen = len(traffic.results)
+        traffic.wait_for(lambda r: True, seen + 2, timeout_s=120)
+
+    traffic.wait_for(lambda r: r.error is None, 4)  # both replicas warm, prefixes cached
+    busy = poll(lambda: [r for r in _replica_rows(served.handle, timeout=5) if r["running"] > 0],
+                bool, 60, 0.05)
+    assert busy, "no replica was streaming"
+    began = time.monotonic()
+    os.kill(busy[0]["pid"], signal.SIGKILL)
+    two_more()
+    data_dir = Path(redis.url.removeprefix("unix://")).parent
+    redis.stop_server()
+    redis = start_embedded(data_dir)  # the same address, empty
+    two_more()
+    ray.kill(cache_manager.get(served.manager_key), no_restart=False)  # Ray restarts it
+    two_more()
+    return redis, began, time.monotonic()
+
+
+def _wait_for_running_replicas(served: Served, count: int, timeout: float = 120) -> None:
+    states = poll(lambda: _replica_states(served.app), lambda s: s == {"RUNNING": count},
+                  timeout, 1.0)
+    assert states == {"RUNNING": count}, states

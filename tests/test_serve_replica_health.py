@@ -19,6 +19,7 @@ from tests.test_serve_replica_kill import _replica_rows, _replica_states
 from workers.async_engine import AsyncLLMEngine
 
 pytestmark = pytest.mark.ray  # starts Ray, so also slow (tests/conftest.py)
+USES_SHARED_RAY = "4"  # tests/serving.py: run with the modules of this group
 
 # Serve's defaults (10 s period, 3 failures in a row) would take 30 s to notice a dead loop
 HEALTH_CHECKS = {"health_check_period_s": 1, "health_check_timeout_s": 5}
@@ -57,7 +58,7 @@ def _greedy(served) -> list[int]:
 def test_a_replica_whose_step_loop_died_is_replaced_and_every_replica_warms_up(monkeypatch):
     monkeypatch.setenv(ADMIN_ENV, "1")  # the local Ray cluster's workers inherit it
     app = {"replicas": 1, "kv_cache_memory": "64MiB", **HEALTH_CHECKS}
-    with serve_locally(app) as served:
+    with serve_locally(app, env={ADMIN_ENV: "1"}) as served:  # a cluster with admin allowed
         _assert_warmed_up_and_clean(served.handle)  # before the first user request
         expected = _greedy(served)
         victim = served.handle.admin.remote("fail_next_step").result()
@@ -73,12 +74,12 @@ def test_a_replica_whose_step_loop_died_is_replaced_and_every_replica_warms_up(m
 
         def replaced(rows: list[dict]) -> bool:
             return (len(rows) == 1 and rows[0]["replica_id"] != victim
-                    and _replica_states() == {"RUNNING": 1})
+                    and _replica_states(served.app) == {"RUNNING": 1})
 
         started = time.monotonic()
         rows = poll(lambda: _rows_or_none(served.handle), replaced,
                     REPLACED_WITHIN_S, interval_s=0.5)
-        assert replaced(rows), (victim, rows, _replica_states())
+        assert replaced(rows), (victim, rows, _replica_states(served.app))
         print(f"request failed after {failed_after:.2f} s; replica replaced after "
               f"{time.monotonic() - started:.1f} s")
         _assert_warmed_up_and_clean(served.handle)  # the replacement warmed up too

@@ -12,7 +12,9 @@ import grpc
 import pytest
 
 from kvserve.v1 import generation_pb2 as pb
-from tests.serving import METADATA, serve_locally
+from tests.serving import TWO_REPLICAS, serve_locally
+
+USES_SHARED_RAY = "3c"  # tests/serving.py: run with the modules of this group
 
 pytestmark = pytest.mark.ray  # starts Ray, so also slow (tests/conftest.py)
 
@@ -26,7 +28,7 @@ def _replica_rows(handle, timeout: float = 30) -> list[dict]:
     return [r for r in results if isinstance(r, dict)]
 
 
-def _replica_states(app: str = "kvserve") -> dict[str, int]:
+def _replica_states(app: str) -> dict[str, int]:
     from ray import serve
 
     application = serve.status().applications.get(app)
@@ -41,8 +43,8 @@ def _greedy(served, prompt: str) -> tuple[list[int], int]:
 
 
 def test_killing_a_replica_mid_stream_errors_that_stream_and_serve_recovers():
-    app = {"replicas": 2, "num_cpus_per_replica": 1, "kv_cache_memory": "256MiB"}
-    with serve_locally(app) as served:
+    # reuse: the test ends only once Serve has replaced the killed replica and both serve
+    with serve_locally(TWO_REPLICAS, reuse=True) as served:
         prompt = "The capital of France is"
         expected, reason = _greedy(served, prompt)
         assert reason == pb.FINISH_REASON_LENGTH and len(expected) == 8
@@ -54,7 +56,7 @@ def test_killing_a_replica_mid_stream_errors_that_stream_and_serve_recovers():
             prompt="Tell me a very long story.",
             params=pb.SamplingParams(max_tokens=2000, ignore_eos=True, temperature=0),
         )
-        stream = served.stub.Generate(request, metadata=METADATA, timeout=STREAM_DEADLINE_S)
+        stream = served.stub.Generate(request, metadata=served.metadata, timeout=STREAM_DEADLINE_S)
         received = 0
         for msg in stream:
             received += len(msg.token_ids)
@@ -82,7 +84,7 @@ def test_killing_a_replica_mid_stream_errors_that_stream_and_serve_recovers():
         # Serve notices the death, starts a replacement; new requests succeed.
         deadline, states, rows = time.monotonic() + 120, {}, []
         while time.monotonic() < deadline:
-            states = _replica_states()
+            states = _replica_states(served.app)
             if states == {"RUNNING": 2}:
                 rows = _replica_rows(served.handle)
                 ids = {r["replica_id"] for r in rows}

@@ -4,14 +4,15 @@ output equals the in-process engine's; both replicas receive traffic (seen in th
 from __future__ import annotations
 
 import re
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.helpers import solo_ids
+from tests.helpers import poll, solo_ids
 from tests.prompts import varied_prompts
-from tests.serving import serve_locally
+from tests.serving import TWO_REPLICAS, serve_locally
+
+USES_SHARED_RAY = "3b"  # tests/serving.py: run with the modules of this group
 
 pytestmark = pytest.mark.ray  # starts Ray, so also slow (tests/conftest.py)
 
@@ -24,8 +25,8 @@ def test_two_replicas_serve_16_concurrent_clients_exactly(real_engine):
         p: solo_ids(real_engine, prompt=p, params={"temperature": 0, "max_tokens": 12})
         for p in prompts
     }
-    app = {"replicas": 2, "num_cpus_per_replica": 1, "kv_cache_memory": "256MiB"}
-    with serve_locally(app) as served:
+    with serve_locally(TWO_REPLICAS, reuse=True) as served:
+        before = _finished_per_replica(served)  # the deployment may have served earlier tests
         with ThreadPoolExecutor(16) as pool:
             results = dict(
                 zip(
@@ -36,17 +37,21 @@ def test_two_replicas_serve_16_concurrent_clients_exactly(real_engine):
             )
         for prompt, responses in results.items():
             assert [t for r in responses for t in r.token_ids] == expected[prompt], prompt
-        replicas = _replicas_with_traffic(served)
+        replicas = poll(lambda: _replicas_with_traffic(served, before), lambda s: len(s) >= 2,
+                        30, 1.0)  # metrics report each second
     assert len(replicas) == 2, replicas
 
 
-def _replicas_with_traffic(served, timeout: float = 30) -> set[str]:
-    """Replica tags whose finished-request counter is non-zero (metrics report each second)."""
-    deadline, seen = time.monotonic() + timeout, set()
-    while time.monotonic() < deadline and len(seen) < 2:
-        for labels, value in served.metrics().get("ray_kvserve_request_success_total", []):
-            match = re.search(r'replica="([^"]+)"', labels)
-            if match and value > 0:
-                seen.add(match.group(1))
-        time.sleep(1)
-    return seen
+def _finished_per_replica(served) -> dict[str, float]:
+    """Each replica tag's finished-request counter, as Prometheus has it now."""
+    counts: dict[str, float] = {}
+    for labels, value in served.metrics().get("ray_kvserve_request_success_total", []):
+        match = re.search(r'replica="([^"]+)"', labels)
+        if match:
+            counts[match.group(1)] = counts.get(match.group(1), 0) + value
+    return counts
+
+
+def _replicas_with_traffic(served, before: dict[str, float]) -> set[str]:
+    """Replica tags whose finished-request counter grew since `before`."""
+    return {tag for tag, n in _finished_per_replica(served).items() if n > before.get(tag, 0)}
