@@ -20,6 +20,7 @@ from workers.model_executor.loader import (
 )
 from workers.model_executor.tiny import tiny_checkpoint
 
+
 @pytest.fixture(scope="session")
 def model_dir() -> Path:
     """The default model converted to safetensors (converted once, then cached)."""
