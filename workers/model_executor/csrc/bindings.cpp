@@ -1,4 +1,6 @@
 // The Python face of kvserve's CPU kernels (workers/cpu_kernels.py builds and loads them).
+#include <torch/extension.h>  // pybind11: only the bindings need it
+
 #include "kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -3,6 +3,8 @@
 // bit-identical; what goes is ~14 Python op launches per layer (~2.5 ms a step at batch 1, where
 // the projections take ~18 ms). fp32, or bf16 throughout (weights packed for `linear_bf16`,
 // activations, caches, cos/sin), where each kernel rounds where transformers' bf16 ops do.
+#include <ATen/TensorOperators.h>  // h + ...
+
 #include "kernels.h"
 
 namespace {

@@ -15,7 +15,9 @@
 //   sums, and turn a division into a reciprocal estimate (vrcp14ps, 1 ulp off at times): `opaque`
 //   hides a value from the optimizer and `divide` is an explicit vdivps. The fp32 kernels keep
 //   their vectorized, reassociated sums (within fp32 rounding of torch's, not equal).
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>  // not torch/extension.h: 10x slower to compile
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
 
 #include "bf16.h"

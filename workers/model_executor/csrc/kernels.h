@@ -1,7 +1,9 @@
 // kvserve's CPU kernels, declared once for bindings.cpp and for the kernels that call others.
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>  // not torch/extension.h: 10x slower to compile
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 
 #include <vector>
 

@@ -4,7 +4,9 @@
 // the row count or the tile it lands in: a row's numbers are the same alone or in a batch of 32
 // (greedy and seeded outputs do not depend on their neighbours). The panel layout makes a
 // one-row product a single sequential stream of the weights, which is what bounds batch-1 decode.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>  // not torch/extension.h: 10x slower to compile
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>

@@ -4,7 +4,9 @@
 // read and everything is computed in fp32 (scores, softmax, the weighted sum of values), rounded to
 // bf16 once at the end; a bf16 cache is half the bytes to read, which is what a long context's
 // decode step waits on. Built at first use with the other CPU kernels: see workers/cpu_kernels.py.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>  // not torch/extension.h: 10x slower to compile
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
 
 #include "bf16.h"
