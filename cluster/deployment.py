@@ -52,10 +52,10 @@ class GenerationDeployment:
     ) -> None:
         """Async so that the warm-up runs on the engine's own step loop, as requests do."""
         self.engine = LLMEngine(EngineConfig(**engine_config))
-        engine = AsyncLLMEngine(self.engine)
+        self.async_engine = AsyncLLMEngine(self.engine)
         # before anything reports on the engine: metrics and the cache manager never see it
-        self.warm_up = await _warm_up(engine)
-        self.service = GenerationService(engine, replicas=replicas,
+        self.warm_up = await _warm_up(self.async_engine)
+        self.service = GenerationService(self.async_engine, replicas=replicas,
                                          stream_coalesce_ms=stream_coalesce_ms)
         self.metrics = ServiceMetrics(self.engine.info.name)
         self.status_publisher = StatusPublisher(self.engine.load).start()
@@ -68,7 +68,7 @@ class GenerationDeployment:
         unhealthy, and Serve replaces it after a few failures in a row. It fails once the
         engine's step loop died (a step raised, e.g. on a CUDA fault): such a replica would
         answer every request with an error (EngineDeadError, UNAVAILABLE) until replaced."""
-        self.service.engine.check_health()
+        self.async_engine.check_health()
 
     async def Generate(  # noqa: N802 - named after the RPC
         self, request: pb.GenerateRequest, grpc_context: RayServegRPCContext
@@ -102,7 +102,7 @@ class GenerationDeployment:
         (EngineShutdownError), new ones are refused the same way, and every KV block is freed."""
         self.status_publisher.stop()
         self.kv_reporter.stop()
-        await self.service.engine.shutdown()
+        await self.async_engine.shutdown()
         deadline = time.monotonic() + SHUTDOWN_DRAIN_S  # Serve kills the actor when we return:
         while self.open_streams and time.monotonic() < deadline:  # let the errors leave first
             await asyncio.sleep(0.02)

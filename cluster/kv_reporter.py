@@ -42,7 +42,7 @@ class KVReporter:
 
     def state(self) -> ReplicaState:
         """What this replica holds now (for `kvserve cache check`)."""
-        hashes = self.engine.block_manager.cached_hashes()
+        hashes = self.engine.cached_block_hashes()
         return ReplicaState(self.replica_id, [h.hex() for h in hashes["device"]],
                             [h.hex() for h in hashes["host"]], self._requests())
 
@@ -91,8 +91,7 @@ class KVReporter:
         return ReplicaReport(self.replica_id, self._usage(), stored, removed, self._requests())
 
     def _requests(self) -> dict[str, int]:
-        return {rid: len(r.seq.block_table) + len(r.seq.host_table)
-                for rid, r in list(self.engine.requests.items())}
+        return self.engine.request_blocks()
 
     def _usage(self) -> ReplicaUsage:
         s = self.engine.kv_stats()

@@ -20,7 +20,6 @@ from cluster.convert import engine_request, prompt_input, response, status_code,
 from kvserve.v1 import generation_pb2 as pb
 from kvserve.v1 import generation_pb2_grpc as pb_grpc
 from workers.async_engine import AsyncLLMEngine
-from workers.core.inputs import to_token_ids
 
 
 class GenerationService:
@@ -43,15 +42,14 @@ class GenerationService:
             yield msg
 
     async def ModelInfo(self, request: pb.ModelInfoRequest) -> pb.ModelInfoResponse:  # noqa: N802
-        info = self.engine.engine.info
+        info = self.engine.info
         return pb.ModelInfoResponse(
             model=info.name, max_model_len=info.max_model_len, vocab_size=info.vocab_size,
             rope_parameters=struct(info.rope_parameters), replicas=self.replicas,
         )
 
     async def Tokenize(self, request: pb.TokenizeRequest) -> pb.TokenizeResponse:  # noqa: N802
-        core = self.engine.engine
-        ids = to_token_ids(core.tokenizer, core.vocab_size, **prompt_input(request))
+        ids = self.engine.tokenize(**prompt_input(request))
         return pb.TokenizeResponse(token_ids=ids, count=len(ids))
 
 

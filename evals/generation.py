@@ -51,15 +51,14 @@ class EngineGenerator:
             self.engine.add_request(prompt=r.prompt, messages=r.messages, params=r.params,
                                     request_id=r.request_id)
             results[r.request_id] = GenResult(r.request_id, "")
-        while self.engine.has_unfinished():
-            for out in self.engine.step():
-                result = results[out.request_id]
-                result.text += out.text
-                result.token_ids += out.token_ids
-                if out.finished:
-                    result.finish_reason = out.finish_reason or ""
-                    if on_done:
-                        on_done(result)
+        for out in self.engine.run_until_done():
+            result = results[out.request_id]
+            result.text += out.text
+            result.token_ids += out.token_ids
+            if out.finished:
+                result.finish_reason = out.finish_reason or ""
+                if on_done:
+                    on_done(result)
         return [results[r.request_id] for r in requests]
 
 

@@ -298,8 +298,7 @@ async def _wait_idle(core, timeout_s: float = 5.0) -> None:
 def test_health_check_passes_while_the_loop_runs_and_fails_once_a_step_raised(
     make_tiny_engine,
 ):
-    from workers.async_engine import EngineDeadError
-    from workers.errors import EngineShutdownError
+    from workers.errors import EngineDeadError, EngineShutdownError
 
     core = make_tiny_engine()
     params = {"max_tokens": 400, "ignore_eos": True}
@@ -333,7 +332,7 @@ def test_health_check_passes_while_the_loop_runs_and_fails_once_a_step_raised(
 
 
 def test_a_cancelled_step_loop_is_dead_and_fails_open_and_new_requests(make_tiny_engine):
-    from workers.async_engine import EngineDeadError
+    from workers.errors import EngineDeadError
 
     core = make_tiny_engine()
     params = {"max_tokens": 400, "ignore_eos": True}
@@ -389,7 +388,7 @@ def test_warm_up_runs_a_request_end_to_end_and_leaves_nothing_behind(make_tiny_e
 
 
 def test_a_warm_up_whose_step_fails_raises_and_restores_prefix_caching(make_tiny_engine):
-    from workers.async_engine import EngineDeadError
+    from workers.errors import EngineDeadError
 
     core = make_tiny_engine(enable_prefix_caching=True)
     _fail_steps(core, "no kernel image is available for execution on the device")

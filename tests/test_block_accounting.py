@@ -31,10 +31,11 @@ from hypothesis.stateful import (
 
 from tests.helpers import assert_engine_idle, output_ids
 from workers.config import EngineConfig
-from workers.core.block_manager import BlockManager
+from workers.core.block_manager import BlockManager, KVCacheBlocks
 from workers.core.outputs import RequestOutput
+from workers.core.sampling_params import SamplingParams
 from workers.core.scheduler import Scheduler
-from workers.core.sequence import Sequence, SequenceStatus
+from workers.core.sequence import FinishReason, Sequence, SequenceStatus
 from workers.engine import LLMEngine
 from workers.model_executor.kv_cache import KVCacheSpec
 from workers.model_executor.tiny import tiny_checkpoint, tiny_config
@@ -133,6 +134,86 @@ def test_usage() -> None:
     assert bm.usage() == 1.0
     bm.deallocate(table)
     assert bm.usage() == pytest.approx(5 / 8)
+
+
+def _seq(request_id: str, prompt_len: int, **params: Any) -> Sequence:
+    return Sequence(request_id, list(range(1, prompt_len + 1)), SamplingParams(**params),
+                    torch.Generator().manual_seed(0))
+
+
+def test_allocate_slots_reports_the_added_blocks_and_changes_nothing_when_short() -> None:
+    bm = BlockManager(num_blocks=4, block_size=4)
+    a, b = _seq("a", 6), _seq("b", 9)
+    got = bm.allocate_slots(a, 6)
+    assert got is not None and got.block_ids == tuple(a.block_table) and len(a.block_table) == 2
+    assert bm.allocate_slots(a, 8) == KVCacheBlocks(())  # still fits its two blocks
+    assert bm.allocate_slots(b, 9) is None  # needs 3, 2 are free
+    assert b.block_table == [] and bm.num_free == 2
+    grown = bm.allocate_slots(a, 9)
+    assert grown is not None and grown.block_ids == (a.block_table[2],)
+    bm.free(a)
+    assert a.block_table == [] and bm.num_free == 4
+
+
+def test_update_from_output_applies_the_step_and_runs_the_stop_checks() -> None:
+    """The scheduler, not the engine, decides who stops: a stop string wins over a length
+    limit in the same token, EOS counts unless ignore_eos, stop_token_ids always; a finished
+    sequence's blocks are freed at once, and the others go on with their token appended."""
+    bm = BlockManager(num_blocks=16, block_size=4)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=100,
+                      eos_token_ids={2})
+    seqs = {
+        "goes_on": _seq("goes_on", 5, max_tokens=5),
+        "length": _seq("length", 5, max_tokens=1),
+        "stop_string_and_length": _seq("stop_string_and_length", 5, max_tokens=1),
+        "eos": _seq("eos", 5, max_tokens=5),
+        "eos_ignored": _seq("eos_ignored", 5, max_tokens=5, ignore_eos=True),
+        "stop_id": _seq("stop_id", 5, max_tokens=5, stop_token_ids=[7]),
+    }
+    for seq in seqs.values():
+        sched.add(seq)
+    scheduled = sched.schedule()
+    assert [c.seq.request_id for c in scheduled.chunks] == list(seqs)
+    tokens = {"goes_on": 9, "length": 9, "stop_string_and_length": 9, "eos": 2,
+              "eos_ignored": 2, "stop_id": 7}
+    reasons = sched.update_from_output(scheduled, list(seqs.values()), list(tokens.values()),
+                                       stop_string_hits={"stop_string_and_length"})
+    assert dict(zip(seqs, reasons, strict=True)) == {
+        "goes_on": None, "length": FinishReason.LENGTH,
+        "stop_string_and_length": FinishReason.STOP, "eos": FinishReason.STOP,
+        "eos_ignored": None, "stop_id": FinishReason.STOP}
+    assert sched.running == [seqs["goes_on"], seqs["eos_ignored"]]
+    for name, seq in seqs.items():
+        assert seq.output_token_ids == [tokens[name]] and seq.num_computed_tokens == 5
+        assert seq.is_finished == (name not in ("goes_on", "eos_ignored"))
+        assert (seq.block_table == []) == seq.is_finished
+    assert bm.num_free == 16 - 2 * 2  # the two running hold 2 blocks each (5 tokens)
+    stats = sched.stats()
+    assert (stats.num_running, stats.num_waiting, stats.num_decoding) == (2, 0, 2)
+    assert stats.prompt_tokens_left == 0  # two decodes: no prompt work ahead
+
+
+def test_update_from_output_stops_at_the_context_limit() -> None:
+    bm = BlockManager(num_blocks=8, block_size=4)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=6)
+    seq = _seq("a", 5, max_tokens=100)
+    sched.add(seq)
+    assert sched.update_from_output(sched.schedule(), [seq], [9]) == [FinishReason.LENGTH]
+    assert seq.num_tokens == 6 and bm.num_free == 8
+
+
+def test_scheduler_stats_count_the_waiting_work() -> None:
+    bm = BlockManager(num_blocks=4, block_size=4)
+    sched = Scheduler(bm, max_num_seqs=1, max_num_batched_tokens=64)
+    first, second = _seq("first", 5, max_tokens=3), _seq("second", 10, max_tokens=7)
+    sched.add(first)
+    sched.add(second)
+    sched.schedule()  # admits only `first` (max_num_seqs=1)
+    stats = sched.stats()
+    assert (stats.num_running, stats.num_waiting) == (1, 1)
+    assert stats.waiting_kv_blocks == 5  # second at its longest: 17 tokens in blocks of 4
+    assert stats.prompt_tokens_left == 5 + 10  # first's prompt is scheduled, not yet computed
+    assert stats.num_decoding == 0
 
 
 @pytest.mark.parametrize(("num_blocks", "block_size"), [(0, 4), (4, 0), (-1, 4)])

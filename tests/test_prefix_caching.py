@@ -29,7 +29,7 @@ def chat(question: str, history: tuple = ()) -> list[dict[str, str]]:
 
 
 def hits(engine: LLMEngine) -> int:
-    return engine.scheduler.prefix_hit_tokens
+    return engine.kv_stats().prefix_hit_tokens
 
 
 def test_shared_prefix_batch_is_token_identical_and_hits(cached_engine, real_engine):
@@ -150,5 +150,28 @@ def test_random_shared_prefix_traffic_keeps_the_ledger_and_every_output(
     plain, cached = make_tiny_engine(**cfg), make_tiny_engine(**cfg, enable_prefix_caching=True)
     expected = {r["request_id"]: solo_ids(plain, **r) for r in requests}
     drive_random_traffic(cached, requests, expected, rng, check_cache_ledger)
-    assert cached.scheduler.prefix_hit_tokens > 0 and cached.scheduler.num_preemptions > 0
+    assert hits(cached) > 0 and cached.scheduler.num_preemptions > 0
     assert_engine_idle(cached)
+
+
+def test_the_kv_reporter_reports_what_the_engine_holds(make_tiny_engine, one_torch_thread):
+    """The cluster's KV reporter reads the engine only through its public surface
+    (`cached_block_hashes`, `request_blocks`, the KV events): a live request's blocks and the
+    full blocks its prompt filled are in the report, and nothing of it once it finished."""
+    from cluster.kv_reporter import KVReporter
+
+    engine = make_tiny_engine(enable_prefix_caching=True, block_size=4, num_kv_blocks=32)
+    reporter = KVReporter(engine, manager=None, replica_id="r")  # no manager: never sends
+    engine.add_request(prompt_token_ids=list(range(10, 30)), request_id="a",
+                       params={"max_tokens": 3, "temperature": 0, "ignore_eos": True})
+    engine.step()  # the 20-token prompt: 5 blocks held, all full, so all cached
+    state = reporter.state()
+    assert state.requests == {"a": 5}
+    assert len(state.device) == 5 and state.host == []
+    delta = reporter._delta_report(engine.kv_events.drain())
+    assert sorted(delta.stored["device"]) == sorted(state.device)
+    for _ in engine.run_until_done():
+        pass
+    state = reporter.state()
+    assert state.requests == {} and len(state.device) >= 5  # still cached for later hits
+    assert_engine_idle(engine)

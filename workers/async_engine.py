@@ -8,6 +8,10 @@ If the step loop dies (a step raised, e.g. on a CUDA fault, or the loop was canc
 engine is dead for good rather than restarted: a step that failed once (a poisoned CUDA
 context) would fail every request after it. Open streams and new requests get EngineDeadError
 at once, and `check_health` raises, so Ray Serve replaces the replica.
+
+It reads the engine only through LLMEngine's public methods and snapshots (`scheduler_stats`,
+`prompt_seconds`, `warming_up`, ...), never its scheduler or block manager; front ends read
+the model's description and tokenize through this class (`info`, `tokenize`).
 """
 
 from __future__ import annotations
@@ -22,32 +26,21 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from workers.core.outputs import RequestOutput
+from workers.core.outputs import RequestOutput, SchedulerStats
 from workers.core.sampling_params import SamplingParams
 from workers.core.sequence import Sequence
-from workers.engine import LLMEngine
-from workers.errors import EngineShutdownError, InvalidRequestError, QueueFullError
+from workers.engine import LLMEngine, ModelInfo
+from workers.errors import (
+    EngineDeadError,
+    EngineShutdownError,
+    InvalidRequestError,
+    QueueFullError,
+)
 
 logger = logging.getLogger(__name__)
 
 WARM_UP_PROMPT = "Hello"  # a token or two: the cheapest request that still tokenizes text
 WARM_UP_TOKENS = 2  # one prefill step and one decode step: both attention paths run
-
-
-class EngineDeadError(EngineShutdownError):
-    """The step loop died: this engine serves nothing more. An EngineShutdownError, so front
-    ends answer UNAVAILABLE (retry on another replica) while Serve replaces this one."""
-
-    def __init__(self, message: str = "the engine's step loop died; retry on another replica"
-                 ) -> None:
-        super().__init__(message)
-
-    @classmethod
-    def caused_by(cls, cause: BaseException) -> EngineDeadError:
-        error = cls(f"the engine's step loop died ({type(cause).__name__}: {cause}); "
-                    "retry on another replica")
-        error.__cause__ = cause
-        return error
 
 
 @dataclass(frozen=True)
@@ -71,6 +64,20 @@ class AsyncLLMEngine:
         self._closed = False
         self._death: BaseException | None = None  # what killed the step loop
         self.warmed_up: WarmUp | None = None
+
+    @property
+    def info(self) -> ModelInfo:
+        """What this engine serves (the ModelInfo RPC)."""
+        return self.engine.info
+
+    def tokenize(
+        self, *, prompt: str | None = None, prompt_token_ids: list[int] | None = None,
+        messages: list[dict[str, str]] | None = None,
+    ) -> list[int]:
+        """The token ids a request with this input would get. Reads only the tokenizer, never
+        the engine's state, so it is safe while a step runs."""
+        return self.engine.tokenize(prompt=prompt, prompt_token_ids=prompt_token_ids,
+                                    messages=messages)
 
     async def generate(
         self, *, prompt: str | None = None, prompt_token_ids: list[int] | None = None,
@@ -109,38 +116,41 @@ class AsyncLLMEngine:
     def _check_admission(self, seq: Sequence) -> None:
         """Refuse `seq` when the waiting queue is full: by count, by the KV it will need, or by
         the time the prompt work ahead of it would take."""
-        config, blocks = self.engine.config, self.engine.block_manager
-        waiting = [*self.engine.scheduler.waiting, *self._new]
+        core, config = self.engine, self.engine.config
+        stats, new = core.scheduler_stats(), list(self._new)
+        num_waiting = stats.num_waiting + len(new)
         # a burst on an idle replica fills the free batch slots first; only the rest must queue
-        free_slots = max(0, config.max_num_seqs - len(self.engine.scheduler.running))
-        if len(waiting) - free_slots >= config.max_waiting_requests:
-            raise QueueFullError(max(0, len(waiting) - free_slots), config.max_waiting_requests)
-        limit = int(config.max_waiting_kv_pools * blocks.num_blocks)
-        needed = sum(_blocks_needed(blocks, s) for s in waiting) + _blocks_needed(blocks, seq)
+        free_slots = max(0, config.max_num_seqs - stats.num_running)
+        if num_waiting - free_slots >= config.max_waiting_requests:
+            raise QueueFullError(max(0, num_waiting - free_slots), config.max_waiting_requests)
+        num_blocks = core.info.num_blocks
+        limit = int(config.max_waiting_kv_pools * num_blocks)
+        needed = stats.waiting_kv_blocks + sum(core.kv_blocks_at_longest(s) for s in [*new, seq])
         if needed > limit:
             raise QueueFullError(needed, limit, "KV blocks needed by requests",
                                  f"max_waiting_kv_pools={config.max_waiting_kv_pools:g} x "
-                                 f"{blocks.num_blocks} blocks")
-        self._check_expected_wait(seq, waiting)
+                                 f"{num_blocks} blocks")
+        self._check_expected_wait(seq, stats, new)
 
-    def _check_expected_wait(self, seq: Sequence, waiting: list[Sequence]) -> None:
+    def _check_expected_wait(self, seq: Sequence, stats: SchedulerStats,
+                             new: list[Sequence]) -> None:
         """Refuse when the prompt work ahead plus `seq`'s own would outlast
         `max_expected_wait_s`: its time to first token. An idle replica admits any prompt."""
-        limit, running = self.engine.config.max_expected_wait_s, self.engine.scheduler.running
-        if limit is None or not (running or waiting):
+        limit = self.engine.config.max_expected_wait_s
+        if limit is None or not (stats.num_running or stats.num_waiting or new):
             return
-        left = (s.num_tokens - s.num_computed_tokens for s in [*running, *waiting])
-        work = sum(n for n in left if n > 1) + seq.num_prompt_tokens  # a decode's 1 is its share
-        wait = self.engine.prefill_rate.seconds_for(
-            work, self.engine.scheduler.num_decoding(), self.engine.config.itl_target_ms)
+        left = (s.num_tokens - s.num_computed_tokens for s in new)
+        # a decode's 1 is its share of every step: not work ahead
+        work = stats.prompt_tokens_left + sum(n for n in left if n > 1) + seq.num_prompt_tokens
+        wait = self.engine.prompt_seconds(work, stats.num_decoding)
         if wait is not None and wait > limit:
-            rate = self.engine.prefill_rate.tokens_per_s
+            rate = self.engine.prefill_tokens_per_s or 0.0
             raise QueueFullError(round(wait), round(limit),
                                  f"s of prompt work up to its first token ({work} tokens at "
                                  f"{rate:.0f} tokens/s)", "max_expected_wait_s")
 
     def _open(self, seq: Sequence) -> asyncio.Queue:
-        if seq.request_id in self._streams or seq.request_id in self.engine.requests:
+        if seq.request_id in self._streams or self.engine.has_request(seq.request_id):
             raise InvalidRequestError("request_id", f"{seq.request_id!r} is already running")
         self._check_admission(seq)
         stream: asyncio.Queue = asyncio.Queue()
@@ -186,17 +196,13 @@ class AsyncLLMEngine:
         core = self.engine
         if core.has_unfinished() or self._streams or self._new:
             raise RuntimeError("warm_up must run before any request")
-        blocks = core.block_manager
-        caching, rate = blocks.enable_caching, core.prefill_rate.tokens_per_s
         params = {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
         start = time.perf_counter()
-        blocks.enable_caching = False  # no step runs now: the loop is idle or not started
-        try:
+        # entered while no step runs (the loop is idle or not started) and left after the
+        # last output, which comes after its step returned: no step runs then either
+        with core.warming_up():
             outs = [out async for out in self.generate(
                 prompt=prompt, params=params, request_id=f"kvserve-warm-up-{uuid.uuid4().hex}")]
-        finally:  # the last output comes after its step returned: no step runs now either
-            blocks.enable_caching = caching
-            core.prefill_rate.tokens_per_s = rate
         generated = sum(len(out.token_ids) for out in outs)
         last = outs[-1] if outs else None
         if last is None or last.usage is None or generated != max_tokens:
@@ -246,7 +252,7 @@ class AsyncLLMEngine:
             self._executor.submit(self._abort_everything)
 
     def _abort_everything(self) -> None:
-        for request_id in list(self.engine.requests):
+        for request_id in self.engine.request_ids():
             try:
                 self.engine.abort(request_id)
             except Exception:  # noqa: BLE001 - best effort: the replica is replaced anyway
@@ -286,7 +292,7 @@ class AsyncLLMEngine:
         self._new.clear()
         self._aborts.clear()
         self._fail_all(EngineShutdownError())
-        for request_id in list(self.engine.requests):
+        for request_id in self.engine.request_ids():
             self.engine.abort(request_id)
         self._executor.shutdown(wait=True)
 
@@ -294,7 +300,3 @@ class AsyncLLMEngine:
 def _no_op() -> None:
     """Queued behind the step in flight on the single step thread: awaiting it waits for it."""
 
-
-def _blocks_needed(blocks, seq: Sequence) -> int:
-    """KV blocks `seq` holds at its longest (prompt + max_tokens)."""
-    return blocks.blocks_needed([], seq.num_prompt_tokens + seq.params.max_tokens)

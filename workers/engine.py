@@ -1,14 +1,28 @@
-"""The synchronous engine core: requests in, one scheduled model step at a time, outputs out."""
+"""The synchronous engine core: requests in, one scheduled model step at a time, outputs out.
+
+A step is nano-vllm's loop: the scheduler picks the chunks, the model runner computes them, the
+sampler picks tokens, the scheduler's `update_from_output` appends them, runs the stop checks
+and frees finished requests, and the engine turns them into text. The engine itself only
+detokenizes (stop strings need text) and builds outputs.
+
+Everything above this module (the async engine, the cluster's service, KV reporter, metrics and
+status) reads the engine through its public methods and frozen snapshots (`load`,
+`scheduler_stats`, `kv_stats`, `info`, `request_blocks`, `cached_block_hashes`), never through
+the scheduler or the block manager, so those can change without touching the cluster.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import secrets
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -18,7 +32,13 @@ from workers.core.detokenizer import IncrementalDetokenizer
 from workers.core.host_block_pool import HostBlockPool
 from workers.core.inputs import to_token_ids
 from workers.core.kv_events import KVEvents
-from workers.core.outputs import KVCacheStats, RequestOutput, TokenLogprobs, Usage
+from workers.core.outputs import (
+    KVCacheStats,
+    RequestOutput,
+    SchedulerStats,
+    TokenLogprobs,
+    Usage,
+)
 from workers.core.prefill_rate import PrefillRate
 from workers.core.sampling_params import SamplingParams
 from workers.core.scheduler import Scheduler
@@ -40,8 +60,10 @@ from workers.model_executor.rope import RotaryEmbedding
 from workers.model_executor.sampler import sample
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelInfo:
+    """What this engine serves and how (the ModelInfo RPC, benchmark reports)."""
+
     name: str
     vocab_size: int
     max_model_len: int
@@ -52,6 +74,15 @@ class ModelInfo:
     block_size: int
     num_blocks: int
     num_host_blocks: int
+
+
+class EngineLoad(NamedTuple):
+    """What gauges and the status rows show. Lengths and one ratio: cheap, and safe to read
+    from another thread while a step runs."""
+
+    running: int
+    waiting: int
+    kv_cache_usage: float  # 0-1
 
 
 @dataclass
@@ -102,11 +133,12 @@ class LLMEngine:
             host=host, events=self.kv_events)
         self.swap_seconds = 0.0  # time spent in KV copies between device and host
         self.prefill_rate = PrefillRate(config.max_num_batched_tokens)
-        self.scheduler = Scheduler(
-            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
-        )
         self.eos_token_ids = _eos_ids(ckpt)
-        self.info = ModelInfo(
+        self.scheduler = Scheduler(
+            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+            self.max_model_len, self.eos_token_ids,
+        )
+        self._info = ModelInfo(
             name=config.model or DEFAULT_MODEL,
             vocab_size=self.vocab_size,
             max_model_len=self.max_model_len,
@@ -119,6 +151,16 @@ class LLMEngine:
             num_host_blocks=num_host_blocks,
         )
         self.requests: dict[str, _Request] = {}
+
+    @property
+    def info(self) -> ModelInfo:
+        return self._info
+
+    def use_attention_backend(self, backend: PagedAttention) -> None:
+        """Run attention through `backend` from the next step on (tests and GPU checks swap in
+        backends an EngineConfig cannot name); `info` says which backend runs."""
+        self.runner.backend = backend
+        self._info = dataclasses.replace(self._info, attention_backend=backend.name)
 
     # -- requests -------------------------------------------------------------------------
     def add_request(self, **request: Any) -> str:
@@ -144,13 +186,7 @@ class LLMEngine:
         `cache_salt` (per tenant) keeps prefix-cache hits within requests that share it."""
         params = _as_params(params)
         params.validate(self.vocab_size)
-        ids = to_token_ids(
-            self.tokenizer,
-            self.vocab_size,
-            prompt=prompt,
-            prompt_token_ids=prompt_token_ids,
-            messages=messages,
-        )
+        ids = self.tokenize(prompt=prompt, prompt_token_ids=prompt_token_ids, messages=messages)
         self._check_lengths(len(ids), params)
         request_id = request_id or uuid.uuid4().hex
         if not isinstance(request_id, str):
@@ -160,6 +196,14 @@ class LLMEngine:
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise InvalidRequestError("cache_salt", "must be a string")
         return Sequence(request_id, ids, params, generator, cache_salt=cache_salt or "")
+
+    def tokenize(
+        self, *, prompt: str | None = None, prompt_token_ids: list[int] | None = None,
+        messages: list[dict[str, str]] | None = None,
+    ) -> list[int]:
+        """The token ids a request with this input would get (the Tokenize RPC)."""
+        return to_token_ids(self.tokenizer, self.vocab_size, prompt=prompt,
+                            prompt_token_ids=prompt_token_ids, messages=messages)
 
     def enqueue(self, seq: Sequence) -> None:
         if seq.request_id in self.requests:
@@ -180,7 +224,7 @@ class LLMEngine:
                 f"prompt ({prompt_len}) + max_tokens ({params.max_tokens}) exceeds "
                 f"the context of {self.max_model_len} tokens",
             )
-        needed = self.block_manager.blocks_needed([], prompt_len + params.max_tokens)
+        needed = self.block_manager.blocks_for(prompt_len + params.max_tokens)
         if needed > self.block_manager.num_blocks:
             raise InvalidRequestError(
                 "max_tokens",
@@ -198,29 +242,70 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self.requests
+
+    def request_ids(self) -> list[str]:
+        """The live requests (waiting or running), as a copy."""
+        return list(self.requests)
+
+    def request_blocks(self) -> dict[str, int]:
+        """Live request id -> the KV blocks it holds in either tier (for the cache manager).
+        Safe from another thread: it reads a copy of the request table."""
+        return {rid: len(r.seq.block_table) + len(r.seq.host_table)
+                for rid, r in list(self.requests.items())}
+
     def kv_cache_usage(self) -> float:
         return self.block_manager.usage()
 
-    def load(self) -> tuple[int, int, float]:
-        """(running requests, waiting requests, KV usage 0-1): what gauges and status show."""
-        return len(self.scheduler.running), len(self.scheduler.waiting), self.kv_cache_usage()
+    def load(self) -> EngineLoad:
+        """Running and waiting requests and KV usage: what gauges and status show."""
+        return EngineLoad(len(self.scheduler.running), len(self.scheduler.waiting),
+                          self.kv_cache_usage())
+
+    def scheduler_stats(self) -> SchedulerStats:
+        """The queues in detail, for admission control (see `SchedulerStats`)."""
+        return self.scheduler.stats()
+
+    def kv_blocks_at_longest(self, seq: Sequence) -> int:
+        """KV blocks `seq` (from `make_sequence`) will hold at its longest."""
+        return self.scheduler.kv_blocks_at_longest(seq)
+
+    @property
+    def prefill_tokens_per_s(self) -> float | None:
+        """The measured prompt throughput; None until a full enough step was seen."""
+        return self.prefill_rate.tokens_per_s
+
+    def prompt_seconds(self, tokens: int, num_decoding: int) -> float | None:
+        """Expected seconds to compute `tokens` prompt tokens beside `num_decoding` decodes,
+        at the measured rate and the configured latency target; None before any measurement."""
+        return self.prefill_rate.seconds_for(tokens, num_decoding, self.config.itl_target_ms)
 
     def kv_stats(self) -> KVCacheStats:
-        bm, sched = self.block_manager, self.scheduler
-        host = bm.host
-        return KVCacheStats(
-            device_blocks=bm.num_blocks, device_used=bm.num_blocks - bm.num_free,
-            device_cached=len(bm.cached), host_blocks=host.num_blocks if host else 0,
-            host_used=host.num_blocks - len(host.free_ids) if host else 0,
-            host_cached=len(host.cached) if host else 0,
-            prefix_queried_tokens=sched.prefix_queried_tokens,
-            prefix_hit_tokens=sched.prefix_hit_tokens, preemptions=sched.num_preemptions,
-            blocks_offloaded=bm.num_offloaded, blocks_restored=bm.num_restored,
-            blocks_swapped_out=bm.num_swapped_out, blocks_swapped_in=bm.num_swapped_in,
-            swap_bytes=(bm.num_offloaded + bm.num_restored + bm.num_swapped_out
-                        + bm.num_swapped_in) * self.bytes_per_block,
-            swap_seconds=self.swap_seconds,
-        )
+        kv = self.block_manager.stats()
+        copied = (kv.blocks_offloaded + kv.blocks_restored + kv.blocks_swapped_out
+                  + kv.blocks_swapped_in)
+        return KVCacheStats(**dataclasses.asdict(kv), preemptions=self.scheduler.num_preemptions,
+                            swap_bytes=copied * self.bytes_per_block,
+                            swap_seconds=self.swap_seconds)
+
+    def cached_block_hashes(self) -> dict[str, list[bytes]]:
+        """Tier -> hashes of the blocks a prefix hit can use there (for the cache manager)."""
+        return self.block_manager.cached_hashes()
+
+    @contextlib.contextmanager
+    def warming_up(self) -> Iterator[None]:
+        """Requests run inside leave no trace a user request would not: prefix caching is off
+        (no block is cached, no KV event recorded, no prefix query counted) and the measured
+        prompt throughput is restored afterwards, so a cold first step does not stand for this
+        hardware's rate. Enter and leave it only between steps."""
+        caching, rate = self.block_manager.enable_caching, self.prefill_rate.tokens_per_s
+        self.block_manager.enable_caching = False
+        try:
+            yield
+        finally:
+            self.block_manager.enable_caching = caching
+            self.prefill_rate.tokens_per_s = rate
 
     # -- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -235,10 +320,20 @@ class LLMEngine:
         seqs = [c.seq for c in sampling]
         tokens, logprobs = sample(logits, seqs)
         self.prefill_rate.observe(scheduled.num_tokens, time.perf_counter() - start, budget)
-        for chunk in scheduled.chunks:  # only once nothing above can fail
-            chunk.seq.num_computed_tokens += chunk.num_tokens
-        self.scheduler.cache_full_blocks([c.seq for c in scheduled.chunks])
-        return [self._append(s, t, lp) for s, t, lp in zip(seqs, tokens, logprobs, strict=True)]
+        # only once nothing above can fail: text first (stop strings), then the scheduler
+        texts = [self.requests[s.request_id].detok.push(t) for s, t in zip(seqs, tokens,
+                                                                             strict=True)]
+        hits = {s.request_id for s, text in zip(seqs, texts, strict=True) if text is None}
+        reasons = self.scheduler.update_from_output(scheduled, seqs, tokens, hits)
+        return [self._output(s, t, lp, text, reason)
+                for s, t, lp, text, reason in zip(seqs, tokens, logprobs, texts, reasons,
+                                                  strict=True)]
+
+    def run_until_done(self) -> Iterator[RequestOutput]:
+        """Step until no request is left, yielding every output as it comes: the one
+        step-until-done loop (generate_all, evals, benchmarks)."""
+        while self.has_unfinished():
+            yield from self.step()
 
     def _run_copies(self) -> None:
         """The step's batched KV copies (swaps, demotions, restores), before the model runs."""
@@ -249,23 +344,26 @@ class LLMEngine:
             self.block_manager.copies_done(plan)
             self.swap_seconds += time.perf_counter() - start
 
-    def _append(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None) -> RequestOutput:
+    def _output(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None,
+                text: str | None, reason: FinishReason | None) -> RequestOutput:
+        """A sampled token's output; the scheduler already decided whether `seq` stopped."""
         req = self.requests[seq.request_id]
-        seq.append_token(token)
-        text = req.detok.push(token)
         lps = [logprobs] if logprobs else []
+        if reason is None:
+            return RequestOutput(seq.request_id, [token], text or "", lps)
         if text is None:  # a stop string matched; it is not part of the output
-            return self._finish(req, FinishReason.STOP, req.detok.stop_text, lps, [token])
-        p = seq.params
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
-            reason = FinishReason.STOP
-        elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            reason = FinishReason.LENGTH
+            text = req.detok.stop_text
         else:
-            return RequestOutput(seq.request_id, [token], text, lps)
-        return self._finish(req, reason, text + req.detok.flush(), lps, [token])
+            text += req.detok.flush()
+        return self._final_output(req, reason, text, lps, [token])
 
     def _finish(
+        self, req: _Request, reason: FinishReason, text: str, logprobs: list[TokenLogprobs],
+    ) -> RequestOutput:
+        self.scheduler.finish(req.seq, reason)
+        return self._final_output(req, reason, text, logprobs)
+
+    def _final_output(
         self,
         req: _Request,
         reason: FinishReason,
@@ -274,7 +372,6 @@ class LLMEngine:
         token_ids: list[int] | None = None,
     ) -> RequestOutput:
         seq = req.seq
-        self.scheduler.finish(seq, reason)
         del self.requests[seq.request_id]
         ttft = None
         if seq.first_token_time is not None:
@@ -288,9 +385,8 @@ class LLMEngine:
         """Run `add_request(**r)` for each and step until all finish (tests, benchmarks)."""
         ids = [self.add_request(**r) for r in requests]
         outputs: dict[str, list[RequestOutput]] = {i: [] for i in ids}
-        while self.has_unfinished():
-            for out in self.step():
-                outputs[out.request_id].append(out)
+        for out in self.run_until_done():
+            outputs[out.request_id].append(out)
         return outputs
 
 

@@ -1,5 +1,7 @@
 """The errors the engine raises to its callers; each front end maps them to a status."""
 
+from __future__ import annotations
+
 
 class InvalidRequestError(ValueError):
     """A request was rejected before it touched the engine's state.
@@ -41,6 +43,22 @@ class EngineShutdownError(RuntimeError):
 
     def __reduce__(self):
         return type(self), (str(self),)
+
+
+class EngineDeadError(EngineShutdownError):
+    """The step loop died: this engine serves nothing more. An EngineShutdownError, so front
+    ends answer UNAVAILABLE (retry on another replica) while Serve replaces this one."""
+
+    def __init__(self, message: str = "the engine's step loop died; retry on another replica"
+                 ) -> None:
+        super().__init__(message)
+
+    @classmethod
+    def caused_by(cls, cause: BaseException) -> EngineDeadError:
+        error = cls(f"the engine's step loop died ({type(cause).__name__}: {cause}); "
+                    "retry on another replica")
+        error.__cause__ = cause
+        return error
 
 
 class ModelNotFoundError(FileNotFoundError):

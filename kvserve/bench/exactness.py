@@ -70,8 +70,8 @@ def engine_greedy(
     by_request: dict[str, str] = {}
     outputs: dict[str, list] = {}
 
-    def step() -> None:
-        for o in engine.step():
+    def collect(outs) -> None:
+        for o in outs:
             outputs[o.request_id].append(o)
 
     for wave in waves:
@@ -80,12 +80,10 @@ def engine_greedy(
             by_request[rid], outputs[rid] = name, []
         if concurrent:
             for _ in range(3):
-                step()
+                collect(engine.step())
         else:
-            while engine.has_unfinished():
-                step()
-    while engine.has_unfinished():
-        step()
+            collect(engine.run_until_done())
+    collect(engine.run_until_done())
     result = {}
     for rid, outs in outputs.items():
         lps = [lp for o in outs for lp in o.logprobs]

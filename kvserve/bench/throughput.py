@@ -48,10 +48,9 @@ def kvserve_throughput(
         engine.add_request(prompt_token_ids=p, params=params)
     bar = tqdm(total=len(prompts) * output_len, unit="tok", desc="kvserve", disable=not progress)
     tokens, start = 0, time.perf_counter()
-    while engine.has_unfinished():
-        produced = sum(len(out.token_ids) for out in engine.step())
-        tokens += produced
-        bar.update(produced)
+    for out in engine.run_until_done():
+        tokens += len(out.token_ids)
+        bar.update(len(out.token_ids))
     seconds = time.perf_counter() - start
     bar.close()
     assert tokens == len(prompts) * output_len, "every request must emit output_len tokens"

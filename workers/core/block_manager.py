@@ -9,6 +9,14 @@ With a host tier (`HostBlockPool`, the CPU offload), an evicted cached block is 
 by copy instead of dropped, and a prefix hit in the host tier is restored by copy into a device
 block; a preempted sequence can be swapped out whole and back in. Copies are queued in a
 `KVCopyPlan` that the engine runs once per step (`take_copy_plan` / `copies_done`).
+
+Two levels, as vLLM v1 splits KVCacheManager from BlockPool. The per-request methods
+(`get_computed_blocks`, `allocate_slots`, `admit`, `cache_full_blocks`, `preempt`, `free`) are
+all the scheduler calls: this class alone computes prefix hashes, grows and empties a request's
+`block_table` / `host_table` and counts prefix-cache hits, and the scheduler only learns small
+results (a `KVCacheBlocks`, a token count, whether a preemption swapped). The list-level
+primitives under them (`allocate(block_table, n)`, `deallocate`, `match_prefix`, `swap_out`,
+...) are the pool itself, kept public for the block-accounting unit tests.
 """
 
 from __future__ import annotations
@@ -16,9 +24,14 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from workers.core.host_block_pool import HostBlockPool
 from workers.core.kv_events import KVCopyPlan, KVEvents
+from workers.core.prefix_hash import extend_block_hashes
+
+if TYPE_CHECKING:  # only its attributes are used here; sequence.py imports torch
+    from workers.core.sequence import Sequence as Request
 
 
 @dataclass
@@ -27,6 +40,32 @@ class Block:
     ref_count: int = 0
     block_hash: bytes | None = None  # set once the block is full, for prefix caching
     token_ids: tuple[int, ...] | None = None  # its tokens, to confirm a hash hit
+
+
+@dataclass(frozen=True)
+class KVCacheBlocks:
+    """What an allocation gave a request (vLLM v1's KVCacheBlocks): the ids of the blocks it
+    added, in table order. A copy: the request's table itself stays the KV manager's to change."""
+
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class KVManagerStats:
+    """A snapshot of the KV manager: block counts now, and counters since it started."""
+
+    device_blocks: int
+    device_used: int  # referenced by live requests
+    device_cached: int  # unreferenced, kept for prefix hits (counted free)
+    host_blocks: int  # the CPU offload tier; 0 when off
+    host_used: int  # cached + swapped
+    host_cached: int
+    prefix_queried_tokens: int  # prompt tokens looked up (once per request)
+    prefix_hit_tokens: int  # of which were found cached (either tier)
+    blocks_offloaded: int
+    blocks_restored: int
+    blocks_swapped_out: int
+    blocks_swapped_in: int
 
 
 class BlockManager:
@@ -50,6 +89,8 @@ class BlockManager:
         self.num_restored = 0  # host-tier prefix hits copied back to the device
         self.num_swapped_out = 0  # blocks of preempted sequences copied to the host tier
         self.num_swapped_in = 0
+        self.prefix_queried_tokens = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hit_tokens = 0  # of which were found cached
 
     @property
     def num_blocks(self) -> int:
@@ -62,6 +103,11 @@ class BlockManager:
 
     def usage(self) -> float:
         return 1.0 - self.num_free / self.num_blocks
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks that hold `num_tokens` tokens (a request at its longest: the pool must have
+        that many for the request to ever finish)."""
+        return -(-num_tokens // self.block_size)
 
     def blocks_needed(self, block_table: list[int], num_tokens: int) -> int:
         """Blocks to add so that `block_table` holds `num_tokens` tokens."""
@@ -161,6 +207,90 @@ class BlockManager:
         self.cached[block_id] = None
         self.cache_block(block_id, block_hash, chunk)
         return block_id
+
+    # -- per request: all the scheduler calls -----------------------------------------------
+    def get_computed_blocks(self, seq: Request) -> int:
+        """Start a waiting `seq` that holds no KV on the longest cached run of its full blocks
+        and return its computed tokens. Its last token is always recomputed (its logits give
+        the next token). Without prefix caching, or when `seq` already holds blocks or swapped
+        KV, nothing changes."""
+        if self.enable_caching and not seq.block_table and not seq.host_table:
+            usable = (seq.num_tokens - 1) // self.block_size
+            extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size, usable,
+                                seq.cache_salt)
+            seq.block_table = self.match_prefix(seq.block_hashes[:usable], seq.token_ids)
+            seq.num_cached_blocks = len(seq.block_table)
+            seq.num_computed_tokens = seq.num_cached_blocks * self.block_size
+        return seq.num_computed_tokens
+
+    def release_computed_blocks(self, seq: Request) -> None:
+        """`seq` stays waiting (no room this step): drop its hold on the cached blocks that
+        `get_computed_blocks` gave it (they stay cached). Swapped-out KV stays in the host tier."""
+        if seq.host_table:
+            return
+        self.deallocate(seq.block_table)
+        seq.num_computed_tokens = seq.num_cached_blocks = 0
+
+    def allocate_slots(self, seq: Request, num_tokens: int) -> KVCacheBlocks | None:
+        """Grow `seq`'s table to hold `num_tokens` tokens; None, with nothing changed, when the
+        pool (free and evictable cached blocks) has too few."""
+        if not self.can_allocate(seq.block_table, num_tokens):
+            return None
+        start = len(seq.block_table)
+        self.allocate(seq.block_table, num_tokens)
+        return KVCacheBlocks(tuple(seq.block_table[start:]))
+
+    def admit(self, seq: Request) -> None:
+        """`seq` got its blocks and leaves the waiting queue. Its prefix-cache query is counted
+        once per request (a resume after preemption is not a new query), and a swapped-out
+        sequence's KV is queued to come back into its first blocks."""
+        if self.enable_caching and not seq.num_preemptions:
+            self.prefix_queried_tokens += seq.num_tokens
+            self.prefix_hit_tokens += seq.num_computed_tokens
+            seq.num_cached_prompt_tokens = seq.num_computed_tokens
+        if seq.host_table:
+            self.swap_in(seq.host_table, seq.block_table)
+            seq.host_table = []
+
+    def cache_full_blocks(self, seq: Request) -> None:
+        """After a step: register the blocks of `seq` it filled, so later requests reuse them
+        (vLLM's BlockPool.cache_full_blocks)."""
+        if not self.enable_caching:
+            return
+        size = self.block_size
+        full = seq.num_computed_tokens // size
+        extend_block_hashes(seq.block_hashes, seq.token_ids, size, full, seq.cache_salt)
+        for i in range(seq.num_cached_blocks, full):
+            self.cache_block(seq.block_table[i], seq.block_hashes[i],
+                             seq.token_ids[i * size:(i + 1) * size])
+        seq.num_cached_blocks = max(seq.num_cached_blocks, full)
+
+    def preempt(self, seq: Request) -> bool:
+        """Free `seq`'s device blocks. True when its KV was swapped out to the host tier (it
+        resumes where it was); False when the host tier is off or full (it is recomputed)."""
+        swapped = self.can_swap_out(seq.block_table)
+        if swapped:
+            seq.host_table = self.swap_out(seq.block_table)
+        self.deallocate(seq.block_table)
+        return swapped
+
+    def free(self, seq: Request) -> None:
+        """`seq` ended (finished or aborted): every block it holds, in either tier, is freed."""
+        self.deallocate(seq.block_table)
+        self.free_swapped(seq.host_table)
+        seq.host_table = []
+
+    def stats(self) -> KVManagerStats:
+        host = self.host
+        return KVManagerStats(
+            device_blocks=self.num_blocks, device_used=self.num_blocks - self.num_free,
+            device_cached=len(self.cached), host_blocks=host.num_blocks if host else 0,
+            host_used=host.num_used if host else 0, host_cached=len(host.cached) if host else 0,
+            prefix_queried_tokens=self.prefix_queried_tokens,
+            prefix_hit_tokens=self.prefix_hit_tokens, blocks_offloaded=self.num_offloaded,
+            blocks_restored=self.num_restored, blocks_swapped_out=self.num_swapped_out,
+            blocks_swapped_in=self.num_swapped_in,
+        )
 
     # -- swapping (preemption with a host tier) --------------------------------------------
     def can_swap_out(self, block_table: list[int]) -> bool:

@@ -32,6 +32,11 @@ class HostBlockPool:
         """Blocks a swap-out or a demotion can take: free ones and unpinned cached ones."""
         return len(self.free_ids) + sum(1 for b in self.cached.values() if b not in self.pinned)
 
+    @property
+    def num_used(self) -> int:
+        """Blocks holding KV: cached and swapped ones."""
+        return self.num_blocks - len(self.free_ids)
+
     def usage(self) -> float:
         return 1.0 - len(self.free_ids) / self.num_blocks
 

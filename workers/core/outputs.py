@@ -53,3 +53,18 @@ class KVCacheStats:
     blocks_swapped_in: int
     swap_bytes: int  # bytes copied between device and host, all four kinds
     swap_seconds: float
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    """A snapshot of the queues (vLLM's SchedulerStats), for admission control and status.
+    Taken from copies of the queues, so it can be read while a step runs on another thread."""
+
+    num_running: int
+    num_waiting: int
+    num_decoding: int  # running sequences whose next step computes one token
+    num_preemptions: int  # since the scheduler started
+    waiting_kv_blocks: int  # KV blocks the waiting sequences hold at their longest
+    # tokens the queued work still has to compute before its next token, a decode's one not
+    # counted (it is that decode's share of every step): what delays a new request's first token
+    prompt_tokens_left: int

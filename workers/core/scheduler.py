@@ -6,15 +6,22 @@ sequences join while the budget, `max_num_seqs` and free blocks allow. When a ru
 cannot get a block, the most recently admitted sequence is preempted: its blocks are freed and it
 goes back to the front of the queue. With a host tier that has room, its KV is swapped out (copied
 to host blocks) and swapped back in when it resumes; otherwise it is recomputed.
+
+After the model ran, `update_from_output` (as vLLM v1's Scheduler) applies the step: computed
+tokens, newly full blocks cached, sampled tokens appended, the stop checks, and finished
+sequences freed. The scheduler asks the KV manager (`BlockManager`) for blocks through its
+per-request methods and never touches a block table, a prefix hash or a hit counter itself.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Collection
+from collections.abc import Sequence as Seqs
 from dataclasses import dataclass, field
 
 from workers.core.block_manager import BlockManager
-from workers.core.prefix_hash import extend_block_hashes
+from workers.core.outputs import SchedulerStats
 from workers.core.sequence import FinishReason, Sequence, SequenceStatus
 
 
@@ -45,16 +52,19 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(
-        self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int
+        self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+        max_model_len: int | None = None, eos_token_ids: Collection[int] = (),
     ) -> None:
-        self.blocks = block_manager
+        """`max_model_len` and `eos_token_ids` are for the stop checks of `update_from_output`
+        (None: no context limit)."""
+        self.kv = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.num_preemptions = 0
-        self.prefix_queried_tokens = 0  # prompt tokens looked up in the prefix cache
-        self.prefix_hit_tokens = 0  # of which were found cached
 
     def num_decoding(self) -> int:
         """Running sequences whose next step computes one new token."""
@@ -65,6 +75,21 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def stats(self) -> SchedulerStats:
+        running, waiting = list(self.running), list(self.waiting)  # C-level copies: atomic
+        left = (s.num_tokens - s.num_computed_tokens for s in [*running, *waiting])
+        return SchedulerStats(
+            num_running=len(running), num_waiting=len(waiting),
+            num_decoding=sum(s.num_tokens - s.num_computed_tokens == 1 for s in running),
+            num_preemptions=self.num_preemptions,
+            waiting_kv_blocks=sum(self.kv_blocks_at_longest(s) for s in waiting),
+            prompt_tokens_left=sum(n for n in left if n > 1),
+        )
+
+    def kv_blocks_at_longest(self, seq: Sequence) -> int:
+        """KV blocks `seq` holds at its longest (prompt + max_tokens)."""
+        return self.kv.blocks_for(seq.num_prompt_tokens + seq.params.max_tokens)
 
     def schedule(self, budget: int | None = None) -> SchedulerOutput:
         """This step's chunks, within `budget` tokens (default max_num_batched_tokens)."""
@@ -79,13 +104,12 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.blocks.can_allocate(seq.block_table, seq.num_computed_tokens + n):
+            while self.kv.allocate_slots(seq, seq.num_computed_tokens + n) is None:
                 victim = self.running.pop()  # the most recently admitted
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:
                     return budget
-            self.blocks.allocate(seq.block_table, seq.num_computed_tokens + n)
             out.chunks.append(ScheduledChunk(seq, n))
             budget -= n
             i += 1
@@ -94,67 +118,61 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if self.blocks.enable_caching and not seq.block_table and not seq.host_table:
-                self._reuse_prefix(seq)
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self.blocks.can_allocate(seq.block_table, seq.num_computed_tokens + n):
-                self._release_prefix(seq)
+            computed = self.kv.get_computed_blocks(seq)  # a prefix-cache hit starts it ahead
+            n = min(seq.num_tokens - computed, budget)
+            if self.kv.allocate_slots(seq, computed + n) is None:
+                self.kv.release_computed_blocks(seq)
                 break
             self.waiting.popleft()
-            if self.blocks.enable_caching and not seq.num_preemptions:
-                # once per request: a retry or a resume after preemption is not a new query
-                self.prefix_queried_tokens += seq.num_tokens
-                self.prefix_hit_tokens += seq.num_computed_tokens
-                seq.num_cached_prompt_tokens = seq.num_computed_tokens
-            self.blocks.allocate(seq.block_table, seq.num_computed_tokens + n)
-            if seq.host_table:
-                self.blocks.swap_in(seq.host_table, seq.block_table)
-                seq.host_table = []
+            self.kv.admit(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.chunks.append(ScheduledChunk(seq, n))
             budget -= n
 
-    def _reuse_prefix(self, seq: Sequence) -> None:
-        """Start `seq` on the longest cached run of its full blocks; its last token is always
-        recomputed (its logits give the next token)."""
-        usable = (seq.num_tokens - 1) // self.blocks.block_size
-        extend_block_hashes(seq.block_hashes, seq.token_ids, self.blocks.block_size, usable,
-                            seq.cache_salt)
-        seq.block_table = self.blocks.match_prefix(seq.block_hashes[:usable], seq.token_ids)
-        seq.num_cached_blocks = len(seq.block_table)
-        seq.num_computed_tokens = seq.num_cached_blocks * self.blocks.block_size
-
-    def _release_prefix(self, seq: Sequence) -> None:
-        """`seq` stays waiting: drop its hold on cached blocks (they stay cached)."""
-        if seq.host_table:  # swapped out: its KV waits in the host tier
-            return
-        self.blocks.deallocate(seq.block_table)
-        seq.num_computed_tokens = seq.num_cached_blocks = 0
-
-    def cache_full_blocks(self, seqs: list[Sequence]) -> None:
-        """After a step: register the blocks it filled, so later requests can reuse them."""
-        if not self.blocks.enable_caching:
-            return
-        size = self.blocks.block_size
-        for seq in seqs:
-            full = seq.num_computed_tokens // size
-            extend_block_hashes(seq.block_hashes, seq.token_ids, size, full, seq.cache_salt)
-            for i in range(seq.num_cached_blocks, full):
-                self.blocks.cache_block(seq.block_table[i], seq.block_hashes[i],
-                                        seq.token_ids[i * size:(i + 1) * size])
-            seq.num_cached_blocks = max(seq.num_cached_blocks, full)
-
     def _preempt(self, seq: Sequence) -> None:
         self.num_preemptions += 1
-        if self.blocks.can_swap_out(seq.block_table):
-            seq.host_table = self.blocks.swap_out(seq.block_table)
-            self.blocks.deallocate(seq.block_table)
+        if self.kv.preempt(seq):
             seq.mark_swapped()
         else:
-            self.blocks.deallocate(seq.block_table)
             seq.reset_for_recompute()
         self.waiting.appendleft(seq)
+
+    def update_from_output(
+        self, scheduled: SchedulerOutput, sampled: Seqs[Sequence], tokens: Seqs[int],
+        stop_string_hits: Collection[str] = (),
+    ) -> list[FinishReason | None]:
+        """Apply a step the model ran: every scheduled chunk's tokens count as computed, the
+        blocks they filled are cached, each sampled sequence gets its token, and those that
+        stop are finished (their blocks freed at once, in order). Returns each sampled
+        sequence's finish reason, None while it goes on.
+
+        Stop strings are matched on text, by the engine's detokenizer (it needs the tokenizer,
+        which the engine owns); the engine passes the request ids whose new text hit one in
+        `stop_string_hits`, and they stop here like any other stop, before the other checks,
+        so a stop string wins over EOS or a length limit in the same token."""
+        for chunk in scheduled.chunks:
+            chunk.seq.num_computed_tokens += chunk.num_tokens
+        for chunk in scheduled.chunks:
+            self.kv.cache_full_blocks(chunk.seq)
+        reasons: list[FinishReason | None] = []
+        for seq, token in zip(sampled, tokens, strict=True):
+            seq.append_token(token)
+            reason = self._check_stop(seq, token, seq.request_id in stop_string_hits)
+            if reason is not None:
+                self.finish(seq, reason)
+            reasons.append(reason)
+        return reasons
+
+    def _check_stop(self, seq: Sequence, token: int, stop_string: bool) -> FinishReason | None:
+        p = seq.params
+        if stop_string or token in p.stop_token_ids or (
+                not p.ignore_eos and token in self.eos_token_ids):
+            return FinishReason.STOP
+        if len(seq.output_token_ids) >= p.max_tokens or (
+                self.max_model_len is not None and seq.num_tokens >= self.max_model_len):
+            return FinishReason.LENGTH
+        return None
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """End a sequence (finished or aborted) and free all of its blocks at once."""
@@ -162,8 +180,6 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
-        self.blocks.deallocate(seq.block_table)
-        self.blocks.free_swapped(seq.host_table)
-        seq.host_table = []
+        self.kv.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

@@ -65,8 +65,7 @@ def use_backend(engine, backend: PagedAttention):
     if engine.info.block_size % multiple:
         raise ValueError(f"{backend.name} needs block_size a multiple of {multiple}, the engine "
                          f"has {engine.info.block_size}")
-    engine.runner.backend = backend
-    engine.info.attention_backend = backend.name
+    engine.use_attention_backend(backend)
     return engine
 
 
