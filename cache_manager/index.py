@@ -150,11 +150,6 @@ class KVIndex:
         raw = self.client.hgetall(f"{self._replica(replica_id)}:requests")
         return {k.decode(): int(v) for k, v in raw.items()}
 
-    def drop_replica(self, replica_id: str) -> None:
-        key = self._replica(replica_id)
-        self.client.delete(key, *(f"{key}:blocks:{t}" for t in TIERS), f"{key}:requests")
-        self.client.srem(f"{self.ns}:replicas", replica_id)
-
     def delete_all(self) -> int:
         """Remove every key of this deployment (`kvserve down`); returns how many."""
         return _delete(self.client, self.client.scan_iter(match=f"{self.ns}:*", count=500))

@@ -365,9 +365,3 @@ def _sentence_lengths(tokenizer: Any, haystack: str, sentences: Sequence[str]) -
     _LENGTH_CACHE[key] = (tokenizer, lengths)
     return lengths
 
-
-def build_samples(task: str, tokenizer: Any, lengths: Sequence[int], depths: Sequence[float],
-                  n: int, seed: int, **kwargs: Any) -> list[RecallSample]:
-    """`n` samples (indices 0..n-1) for every (length, depth) cell, in that order."""
-    return [build_sample(task, tokenizer, length, depth, i, seed, **kwargs)
-            for length in lengths for depth in depths for i in range(n)]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import math
 import re
+import statistics
 import time
 import uuid
 
@@ -22,7 +23,7 @@ from evals.scoring import (
     string_match_part,
     summarize_cell,
 )
-from evals.stats import wilson_interval
+from evals.stats import Z_95, wilson_interval
 from workers.core.inputs import to_token_ids
 from workers.model_executor.loader import load_tokenizer
 
@@ -354,3 +355,32 @@ def test_summarize_cell():
     empty = summarize_cell([])
     assert empty["n"] == 0 and math.isnan(empty["mean"])
     assert (empty["ci_low"], empty["ci_high"]) == (0.0, 1.0)
+
+
+def _wilson_roots(k: float, n: int, z: float) -> tuple[float, float]:
+    """The Wilson interval written independently of `evals.stats`: the two roots in pi of
+    (k/n - pi)^2 = z^2 pi (1 - pi) / n, a quadratic a pi^2 + b pi + c = 0."""
+    p, zz = k / n, z * z / n
+    a, b, c = 1 + zz, -(2 * p + zz), p * p
+    root = math.sqrt(b * b - 4 * a * c)
+    return (-b - root) / (2 * a), (-b + root) / (2 * a)
+
+
+def test_wilson_interval_known_values():
+    """Against published values, not against itself: Newcombe (1998), "Two-sided confidence
+    intervals for the single proportion", Statistics in Medicine 17:857-872, Table I (the
+    score method), to the 4 decimals printed there; and the textbook 2 of 4 case."""
+    assert math.isclose(Z_95, statistics.NormalDist().inv_cdf(0.975), abs_tol=1e-12)
+    published = {(81, 263): (0.2553, 0.3662), (15, 148): (0.0624, 0.1605),
+                 (0, 20): (0.0, 0.1611), (1, 29): (0.0061, 0.1718), (2, 4): (0.1500, 0.8500)}
+    for (k, n), (low, high) in published.items():
+        assert wilson_interval(k, n) == pytest.approx((low, high), abs=5e-5), (k, n)
+    # the edges: 0 of 10 and 10 of 10 mirror each other, and touch 0 and 1 exactly
+    assert wilson_interval(0, 10) == pytest.approx((0.0, 0.2775), abs=5e-5)
+    assert wilson_interval(10, 10) == pytest.approx((0.7225, 1.0), abs=5e-5)
+    assert wilson_interval(0, 10)[0] == 0.0 and wilson_interval(10, 10)[1] == pytest.approx(1.0)
+    # any n, k and z against the closed form solved another way (large n: close to normal)
+    for k, n, z in ((4500, 10000, Z_95), (3, 7, Z_95), (1.5, 3, Z_95), (40, 50, 2.5758)):
+        assert wilson_interval(k, n, z) == pytest.approx(_wilson_roots(k, n, z), abs=1e-12)
+    low, high = wilson_interval(4500, 10000)
+    assert high - low == pytest.approx(2 * Z_95 * math.sqrt(0.45 * 0.55 / 10000), rel=1e-3)

@@ -117,3 +117,36 @@ def test_sections_option_validates_names():
         "throughput", "exactness"]
     with pytest.raises(SystemExit):
         gpu_check.parse_args(["--sections", "nope"])
+
+
+class EndlessEngine:
+    """Pure-logic stand-in for LLMEngine: every step emits one token per live request and no
+    request ever finishes, so only the time cap can end a run."""
+
+    def __init__(self) -> None:
+        self.live: list[str] = []
+        self.params: list[dict] = []
+
+    def add_request(self, prompt_token_ids, params) -> str:
+        self.params.append(params)
+        self.live.append(f"r{len(self.params)}")
+        return self.live[-1]
+
+    def has_unfinished(self) -> bool:
+        return bool(self.live)
+
+    def step(self) -> list:
+        time.sleep(0.01)
+        return [dataclasses.make_dataclass("Out", ["token_ids"])([7]) for _ in self.live]
+
+    def abort(self, request_id: str) -> None:
+        self.live.remove(request_id)
+
+
+def test_capped_throughput_stops_at_the_cap_and_aborts_the_rest():
+    engine = EndlessEngine()
+    result = gpu_check.capped_kvserve_throughput(engine, [[101, 102], [103, 104]], 8, cap_s=0.05)
+    assert result["truncated"] and not engine.live  # every request aborted at the cap
+    assert result["tokens"] == 2 * result["steps"] and result["expected_tokens"] == 16
+    assert 0.05 < result["seconds"] < 5 and result["tok_s"] == result["tokens"] / result["seconds"]
+    assert engine.params == [{"temperature": 0.0, "max_tokens": 8, "ignore_eos": True}] * 2

@@ -1,15 +1,19 @@
 """Pure logic of the load-test reports: memory growth after warm-up, the baseline table and
-plot, and the CLI's duration / user-count parsing."""
+plot, the one percentile definition the load test and `bench serve` share, and the CLI's
+duration / user-count parsing."""
 
 from __future__ import annotations
 
 import argparse
+import math
 
 import pytest
 
 from cluster.memory_watch import MemorySample, MiB, memory_report, plot_memory, write_csv
-from kvserve.bench.loadtest import LoadtestSummary
+from kvserve.bench.common import percentile
+from kvserve.bench.loadtest import LoadtestConfig, LoadtestSummary, _latency_stats, summarize
 from kvserve.bench.loadtest_report import baseline_table, first_refusing, plot_baseline
+from kvserve.bench.serve import RequestTiming, RunResult
 from kvserve.cli.types import positive_ints, seconds
 
 
@@ -56,3 +60,58 @@ def test_durations_and_user_counts_parse_or_explain():
             positive_ints(bad)
     with pytest.raises(argparse.ArgumentTypeError, match="30s or 10m"):
         seconds("5 minutes")
+
+
+def _interpolated(values: list[float], q: float) -> float:
+    """numpy.percentile's default ("linear"), written out: rank h = (n - 1) q / 100 between the
+    sorted values at floor(h) and floor(h) + 1."""
+    ordered = sorted(values)
+    h = (len(ordered) - 1) * q / 100
+    lo = math.floor(h)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (h - lo) * (ordered[hi] - ordered[lo])
+
+
+def test_one_percentile_definition_linear_interpolation():
+    values = [40.0, 10.0, 30.0, 20.0]
+    assert percentile(values, 50) == pytest.approx(25.0)  # nearest rank would say 30
+    assert percentile(values, 99) == pytest.approx(39.7)  # nearest rank would say 40
+    assert percentile([7.0], 99) == 7.0
+    assert math.isnan(percentile([], 50))
+    spread = [float((i * 37) % 101) for i in range(250)]
+    for q in (0, 1, 50, 90, 99, 100):
+        assert percentile(spread, q) == pytest.approx(_interpolated(spread, q))
+
+
+def test_load_test_and_bench_serve_p99_mean_the_same():
+    """The failure-latency p99 of `kvserve loadtest` and the TTFT p99 of `kvserve bench serve`
+    of the same samples agree (before the shared definition: 40 vs 39.7)."""
+    ms = [40.0, 10.0, 30.0, 20.0]
+    stats = _latency_stats(ms)
+    assert stats == {"p50": 25.0, "p99": 39.7, "max": 40.0}
+    run = RunResult(1, 1.0, [RequestTiming(t, [], 1, 1) for t in ms])
+    assert run.ttft_ms(99) == pytest.approx(stats["p99"]) and run.ttft_ms(50) == stats["p50"]
+
+
+LOCUST_STATS = """Type,Name,Request Count,Requests/s,50%,99%
+grpc,stream,4,0.5,900,1000
+grpc,TTFT,4,0.5,120,200
+grpc,ITL,4,0.5,11,19
+"""
+
+
+def test_summary_takes_ttft_and_itl_percentiles_from_the_raw_samples(tmp_path):
+    (tmp_path / "locust_stats.csv").write_text(LOCUST_STATS)
+    cfg = LoadtestConfig(target="h:1", out=tmp_path, run_time_s=8)
+    totals = {"output_tokens": 40, "ttft_ms": [100.0, 110.0, 130.0, 190.0],
+              "itl_ms": [10.0] * 9 + [20.0]}
+    s = summarize(cfg, totals, elapsed_s=9.0)
+    assert (s.streams, s.run_time_s, s.output_tokens_per_s) == (4, 8, 5.0)
+    assert s.ttft_p50_ms == pytest.approx(120.0) and s.ttft_p99_ms == pytest.approx(188.2)
+    assert s.itl_p50_ms == pytest.approx(10.0) and s.itl_p99_ms == pytest.approx(19.1)
+    # a totals file without samples (an older locustfile): Locust's own columns
+    old = summarize(cfg, {"output_tokens": 40}, elapsed_s=9.0)
+    assert (old.ttft_p50_ms, old.ttft_p99_ms, old.itl_p99_ms) == (120.0, 200.0, 19.0)
+    # samples recorded but none came (every stream failed before its first token): no number
+    none = summarize(cfg, {"output_tokens": 0, "ttft_ms": [], "itl_ms": []}, elapsed_s=9.0)
+    assert none.ttft_p99_ms is None and none.itl_p50_ms is None

@@ -61,15 +61,19 @@ def check_host_ledger(engine: LLMEngine) -> None:
     assert not host.pinned and not engine.block_manager.plan
 
 
-@pytest.mark.parametrize("seed", [3, 19, 42])
-def test_random_traffic_with_host_tier_keeps_both_ledgers_and_every_output(
-    seed, make_tiny_engine, one_torch_thread
-):
-    rng = random.Random(seed)
-    requests = shared_prefix_requests(rng, 4)
+def tiny_engines_with_host_tier(make_tiny_engine) -> tuple[LLMEngine, LLMEngine]:
+    """A plain tiny engine (the reference) and one with prefix caching and a host tier, both
+    with a device pool of 9 blocks: small enough that 4 shared-prefix requests swap."""
     cfg = {"num_kv_blocks": 9, "block_size": 16, "max_num_seqs": 4, "max_num_batched_tokens": 40}
-    plain = make_tiny_engine(**cfg)
-    engine = make_tiny_engine(**cfg, num_host_kv_blocks=12, enable_prefix_caching=True)
+    return (make_tiny_engine(**cfg),
+            make_tiny_engine(**cfg, num_host_kv_blocks=12, enable_prefix_caching=True))
+
+
+def drive_and_check_every_tier(plain: LLMEngine, engine: LLMEngine, rng: random.Random) -> None:
+    """Random traffic of shared-prefix requests on `engine`: every output as `plain` computes
+    it alone, both ledgers kept after every step, and every kind of copy between the tiers
+    happened (swap out/in of preempted requests, demotion/restore of cached blocks)."""
+    requests = shared_prefix_requests(rng, 4)
     expected = {r["request_id"]: solo_ids(plain, **r) for r in requests}
 
     def check(e: LLMEngine) -> None:
@@ -81,6 +85,14 @@ def test_random_traffic_with_host_tier_keeps_both_ledgers_and_every_output(
     assert stats.blocks_swapped_out > 0 and stats.blocks_swapped_in > 0
     assert stats.blocks_offloaded > 0 and stats.blocks_restored > 0, stats
     assert_engine_idle(engine)
+
+
+@pytest.mark.parametrize("seed", [3, 19, 42])
+def test_random_traffic_with_host_tier_keeps_both_ledgers_and_every_output(
+    seed, make_tiny_engine, one_torch_thread
+):
+    plain, engine = tiny_engines_with_host_tier(make_tiny_engine)
+    drive_and_check_every_tier(plain, engine, random.Random(seed))
 
 
 class SlowDMAEvent:
@@ -109,11 +121,7 @@ def test_cudas_staged_copies_keep_every_output(chunk_blocks, max_slots, slow_dma
     scatters deferred to a later step), here with no-op streams and events on CPU."""
     from workers.model_executor.kv_transfer import KVCopier
 
-    rng = random.Random(5)
-    requests = shared_prefix_requests(rng, 4)
-    cfg = {"num_kv_blocks": 9, "block_size": 16, "max_num_seqs": 4, "max_num_batched_tokens": 40}
-    plain = make_tiny_engine(**cfg)
-    engine = make_tiny_engine(**cfg, num_host_kv_blocks=12, enable_prefix_caching=True)
+    plain, engine = tiny_engines_with_host_tier(make_tiny_engine)
     runner = engine.runner
     runner.copier = KVCopier(runner.kv_cache, runner.host_kv_cache, staged=True,
                              chunk_blocks=chunk_blocks, max_slots=max_slots)
@@ -141,18 +149,8 @@ def test_cudas_staged_copies_keep_every_output(chunk_blocks, max_slots, slow_dma
             assert all(map(torch.equal, block(d), shadow[h])), (h, d)
 
     runner.copier.copy = checked_copy
-    expected = {r["request_id"]: solo_ids(plain, **r) for r in requests}
-
-    def check(e: LLMEngine) -> None:
-        check_cache_ledger(e)
-        check_host_ledger(e)
-
-    drive_random_traffic(engine, requests, expected, rng, check)
-    stats = engine.kv_stats()
-    assert stats.blocks_swapped_out > 0 and stats.blocks_swapped_in > 0
-    assert stats.blocks_offloaded > 0 and stats.blocks_restored > 0, stats
+    drive_and_check_every_tier(plain, engine, random.Random(5))
     assert runner.copier.slots  # the staged path ran
-    assert_engine_idle(engine)
 
 
 # -- the real model ------------------------------------------------------------------------------

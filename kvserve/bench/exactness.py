@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from kvserve.bench.common import greedy_params
 from workers.engine import LLMEngine
 
 TOP_K = 5
@@ -64,7 +65,7 @@ def engine_greedy(
 ) -> dict[str, Greedy]:
     """kvserve greedy with top-k logprobs: one request at a time, or arriving in four waves
     while earlier ones decode (so batches mix prefills, chunks and decodes)."""
-    params = {"temperature": 0.0, "max_tokens": new_tokens, "logprobs": TOP_K}
+    params = greedy_params(new_tokens, ignore_eos=False, logprobs=TOP_K)
     names = list(prompts)
     waves = [names[i::4] for i in range(4)] if concurrent else [[n] for n in names]
     by_request: dict[str, str] = {}

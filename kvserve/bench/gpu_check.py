@@ -445,7 +445,8 @@ def section_throughput(ctx: Context, out: dict[str, Any]) -> None:
     # kvserve.bench.throughput imports tqdm: transformers does too (transformers.utils.logging),
     # so wherever transformers runs, tqdm is there
     from kvserve.bench.baselines import hf_generate_batch, weight_bytes_per_decode_step
-    from kvserve.bench.throughput import batch1_decode_ms, make_prompts
+    from kvserve.bench.common import make_prompts
+    from kvserve.bench.throughput import batch1_decode_ms
     from workers.config import EngineConfig
     from workers.engine import LLMEngine
 
@@ -511,22 +512,14 @@ def section_throughput(ctx: Context, out: dict[str, Any]) -> None:
 
 def capped_kvserve_throughput(engine: Any, prompts: list[list[int]], output_len: int,
                               cap_s: float) -> dict[str, Any]:
-    """`kvserve.bench.throughput.kvserve_throughput` with a time cap: past `cap_s` the rest
-    is aborted and the tokens so far count (`truncated`)."""
-    params = {"temperature": 0.0, "max_tokens": output_len, "ignore_eos": True}
-    ids = [engine.add_request(prompt_token_ids=p, params=params) for p in prompts]
-    tokens, steps, truncated, start = 0, 0, False, time.perf_counter()
-    while engine.has_unfinished():
-        tokens += sum(len(o.token_ids) for o in engine.step())
-        steps += 1
-        if time.perf_counter() - start > cap_s:
-            truncated = True
-            for rid in ids:
-                engine.abort(rid)
-            break
-    seconds = time.perf_counter() - start
-    return {"tok_s": tokens / seconds, "tokens": tokens, "expected_tokens":
-            len(prompts) * output_len, "seconds": seconds, "steps": steps, "truncated": truncated}
+    """`kvserve.bench.common.run_greedy` with a time cap, as JSON: past `cap_s` the rest is
+    aborted and the tokens so far count (`truncated`)."""
+    from kvserve.bench.common import run_greedy
+
+    run = run_greedy(engine, prompts, output_len, cap_s=cap_s)
+    return {"tok_s": run.tok_s, "tokens": run.tokens, "expected_tokens":
+            len(prompts) * output_len, "seconds": run.seconds, "steps": run.steps,
+            "truncated": run.truncated}
 
 
 def measure_copy_bandwidth(device: str, num_bytes: int, repeats: int = 5) -> float:
@@ -551,7 +544,7 @@ def step_breakdown(engine: Any, requests: int, prompt_len: int, steps: int = 5) 
     """Mean ms of a decode step of `requests` sequences, split into scheduling, input
     preparation (metadata, one host->device copy), the model's forward and the rest (sampling,
     detokenizing, bookkeeping). Each part is synchronized, which adds a little to the total."""
-    from kvserve.bench.throughput import make_prompts
+    from kvserve.bench.common import greedy_params, make_prompts
 
     dev = engine.device
     timings: dict[str, float] = {"schedule": 0.0, "prepare": 0.0, "execute": 0.0}
@@ -566,7 +559,7 @@ def step_breakdown(engine: Any, requests: int, prompt_len: int, steps: int = 5) 
             return result
         return wrapper
 
-    params = {"temperature": 0.0, "max_tokens": steps + 64, "ignore_eos": True}
+    params = greedy_params(steps + 64)
     ids = [engine.add_request(prompt_token_ids=p, params=params)
            for p in make_prompts(engine.vocab_size, requests, prompt_len, seed=3)]
     while len(engine.scheduler.waiting) or any(

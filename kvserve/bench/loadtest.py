@@ -2,7 +2,8 @@
 
 Runs `locust/locustfile.py` in its own process (gevent stays out of ours), writes Locust's
 CSV and HTML reports to `--out`, and summarises them: requests/s, output tokens/s, TTFT and ITL
-p50/p99, failures by gRPC status and how fast they came. Without `--target` it starts a local
+p50/p99 (from the streams' raw samples, by the percentile `kvserve bench serve` uses), failures
+by gRPC status and how fast they came. Without `--target` it starts a local
 deployment first (`kvserve up --detach`) and stops it afterwards (`kvserve down`). Given a way to
 read the replicas' status rows it also reports their resident memory (soak runs), and given
 several user counts it runs one load per count (the baseline sweep, `loadtest_report`).
@@ -23,6 +24,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from cluster.memory_watch import MemoryWatch, memory_report, plot_memory, write_csv
+from kvserve.bench.common import percentile
 
 LOCUSTFILE = Path(__file__).resolve().with_name("locust") / "locustfile.py"
 WORKLOADS = {"short": ["ShortChatUser"], "long": ["LongPromptUser"], "mixed": ["MixedUser"],
@@ -94,16 +96,21 @@ def run_locust(cfg: LoadtestConfig) -> LoadtestSummary:
 
 
 def summarize(cfg: LoadtestConfig, totals: dict, elapsed_s: float) -> LoadtestSummary:
+    """The run's one-screen summary. TTFT and ITL p50/p99 come from the raw samples the
+    locustfile recorded (`totals`), by `kvserve.bench.common.percentile`, so they mean what
+    `kvserve bench serve`'s do; Locust's CSV columns (its rounded histogram) are the fallback
+    for a totals file without samples."""
     rows = {r["Name"]: r for r in _read_csv(cfg.out / "locust_stats.csv")}
     stream, ttft, itl = rows.get("stream", {}), rows.get("TTFT", {}), rows.get("ITL", {})
+    ttft_ms, itl_ms = totals.get("ttft_ms"), totals.get("itl_ms")
     run_time = min(elapsed_s, cfg.run_time_s) if cfg.run_time_s else elapsed_s
     return LoadtestSummary(
         users=cfg.users, run_time_s=run_time, streams=int(stream.get("Request Count", 0)),
         requests_per_s=float(stream.get("Requests/s", 0.0)),
         output_tokens=int(totals["output_tokens"]),
         output_tokens_per_s=totals["output_tokens"] / run_time if run_time else 0.0,
-        ttft_p50_ms=_number(ttft.get("50%")), ttft_p99_ms=_number(ttft.get("99%")),
-        itl_p50_ms=_number(itl.get("50%")), itl_p99_ms=_number(itl.get("99%")),
+        ttft_p50_ms=_quantile(ttft_ms, 50, ttft), ttft_p99_ms=_quantile(ttft_ms, 99, ttft),
+        itl_p50_ms=_quantile(itl_ms, 50, itl), itl_p99_ms=_quantile(itl_ms, 99, itl),
         failures=_failures(cfg.out / "locust_failures.csv"),
         failure_latency_ms={status: _latency_stats(ms)
                             for status, ms in sorted(totals.get("failure_ms", {}).items())},
@@ -139,12 +146,18 @@ def run_sweep(cfg: LoadtestConfig, user_counts: list[int],
 
 
 def _latency_stats(values_ms: list[float]) -> dict[str, float]:
-    ordered = sorted(values_ms)
+    """p50, p99 and max of one status's failure latencies, in ms rounded to 0.1: the p50/p99 by
+    `kvserve.bench.common.percentile`, the definition `kvserve bench serve` reports with."""
+    return {"p50": round(percentile(values_ms, 50), 1), "p99": round(percentile(values_ms, 99), 1),
+            "max": round(max(values_ms), 1)}
 
-    def at(q: float) -> float:
-        return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 1)
 
-    return {"p50": at(0.50), "p99": at(0.99), "max": round(ordered[-1], 1)}
+def _quantile(samples: list[float] | None, q: int, locust_row: dict[str, str]) -> float | None:
+    """The q-th percentile of `samples` (None when there are none); without samples (None),
+    Locust's own column for it."""
+    if samples is None:
+        return _number(locust_row.get(f"{q}%"))
+    return percentile(samples, q) if samples else None
 
 
 def _read_csv(path: Path) -> list[dict[str, str]]:

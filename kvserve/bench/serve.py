@@ -11,6 +11,8 @@ Measured per request: TTFT, the time from sending the request to the first messa
 tokens; and ITL: every later message carrying k tokens, after a gap g since the previous one,
 gives k samples of g / k (a coalesced message spreads its gap over its tokens; extra tokens in
 the first message add no samples). Throughput is all output tokens / the level's wall time.
+Percentiles are `kvserve.bench.common.percentile` (numpy's linear interpolation, as vLLM's
+benchmark_serving), the same definition as `kvserve loadtest`'s.
 """
 
 from __future__ import annotations
@@ -24,13 +26,12 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 from tqdm import tqdm
 
 from cluster.app import AppConfig
 from cluster.client import AsyncClient
-from kvserve.bench.throughput import make_prompts
+from kvserve.bench.common import greedy_params, make_prompts, percentile
 from kvserve.v1 import generation_pb2 as pb
 from workers.async_engine import AsyncLLMEngine
 from workers.config import EngineConfig
@@ -65,10 +66,10 @@ class RunResult:
         return self.output_tokens / self.seconds
 
     def ttft_ms(self, q: float) -> float:
-        return _percentile([r.ttft_ms for r in self.requests], q)
+        return percentile([r.ttft_ms for r in self.requests], q)
 
     def itl_ms(self, q: float) -> float:
-        return _percentile([x for r in self.requests for x in r.itl_ms], q)
+        return percentile([x for r in self.requests for x in r.itl_ms], q)
 
     @property
     def tokens_per_message(self) -> float:
@@ -99,10 +100,6 @@ class ServeBenchReport:
 
     def to_dict(self) -> dict[str, Any]:
         return {"levels": [asdict(level) for level in self.levels], "config": self.config}
-
-
-def _percentile(values: list[float], q: float) -> float:
-    return float(np.percentile(values, q)) if values else math.nan
 
 
 async def timed_request(stream: StreamFn, prompt_ids: list[int]) -> RequestTiming:
@@ -142,10 +139,6 @@ async def run_level(stream: StreamFn, prompts: list[list[int]], concurrency: int
     if short:
         raise RuntimeError(f"{desc}: requests emitted {short} tokens, not {output_len}")
     return RunResult(concurrency, seconds, list(timings))
-
-
-def greedy_params(output_len: int) -> dict[str, Any]:
-    return {"max_tokens": output_len, "temperature": 0.0, "ignore_eos": True}
 
 
 def service_stream(client: AsyncClient, output_len: int) -> StreamFn:

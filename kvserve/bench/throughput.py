@@ -26,41 +26,27 @@ from kvserve.bench.baselines import (
     weight_bytes_per_decode_step,
     weights_read_seconds,
 )
+from kvserve.bench.common import greedy_params, make_prompts, run_greedy
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
 from workers.model_executor.cpu_kernels import cpu_features
 from workers.model_executor.model import Linear
 
 
-def make_prompts(vocab_size: int, requests: int, prompt_len: int, seed: int = 0) -> list[list[int]]:
-    """Deterministic random token ids, distinct per request (no shared prefix to exploit)."""
-    gen = torch.Generator().manual_seed(seed)
-    low = 100  # keep clear of special tokens at the start of the vocabulary
-    return torch.randint(low, vocab_size, (requests, prompt_len), generator=gen).tolist()
-
-
 def kvserve_throughput(
     engine: LLMEngine, prompts: list[list[int]], output_len: int, progress: bool = False
 ) -> float:
     """Output tokens/s for all prompts submitted at once."""
-    params = {"temperature": 0.0, "max_tokens": output_len, "ignore_eos": True}
-    for p in prompts:
-        engine.add_request(prompt_token_ids=p, params=params)
     bar = tqdm(total=len(prompts) * output_len, unit="tok", desc="kvserve", disable=not progress)
-    tokens, start = 0, time.perf_counter()
-    for out in engine.run_until_done():
-        tokens += len(out.token_ids)
-        bar.update(len(out.token_ids))
-    seconds = time.perf_counter() - start
+    run = run_greedy(engine, prompts, output_len, on_tokens=bar.update)
     bar.close()
-    assert tokens == len(prompts) * output_len, "every request must emit output_len tokens"
-    return tokens / seconds
+    assert run.tokens == len(prompts) * output_len, "every request must emit output_len tokens"
+    return run.tok_s
 
 
 def batch1_decode_ms(engine: LLMEngine, prompt: list[int], output_len: int) -> float:
     """Milliseconds per decode step of a lone request, prefill excluded."""
-    engine.add_request(prompt_token_ids=prompt,
-                       params={"temperature": 0.0, "max_tokens": output_len, "ignore_eos": True})
+    engine.add_request(prompt_token_ids=prompt, params=greedy_params(output_len))
     engine.step()  # prefill and first token
     start, steps = time.perf_counter(), 0
     while engine.has_unfinished():

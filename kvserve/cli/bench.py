@@ -56,7 +56,7 @@ def _add_bench_prefix(bench) -> None:
                     "caching vs prefix caching (time to first token per turn, p50), and under "
                     "memory pressure (a device pool holding --pool-fraction of the working "
                     "set) the host KV tier vs recompute-only (output tokens/s). Prints the "
-                    "ratios ttft_turn5_ratio and pressure_throughput_ratio.")
+                    "ratios ttft_last_turn_ratio and pressure_throughput_ratio.")
     b.add_argument("--conversations", type=int, default=8,
                    help="chats, run side by side (default 8)")
     b.add_argument("--turns", type=int, default=5, help="turns per chat (default 5)")
@@ -66,7 +66,7 @@ def _add_bench_prefix(bench) -> None:
     b.add_argument("--pool-fraction", type=float, default=0.25,
                    help="device KV pool under pressure, as a fraction of the working set")
     b.add_argument("--json", action="store_true",
-                   help="print one JSON object (settings, ttft_turn5_ratio, "
+                   help="print one JSON object (settings, ttft_last_turn_ratio, "
                         "pressure_throughput_ratio, outputs_identical, config)")
     add_engine_args(b)
     b.set_defaults(run=_run_bench_prefix)

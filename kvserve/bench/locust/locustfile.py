@@ -12,8 +12,10 @@ multiturn), each seeded. Load shapes: KVSERVE_SHAPE=steady|ramp|spike (see shape
 A user whose stream was refused (RESOURCE_EXHAUSTED, UNAVAILABLE) backs off exponentially with
 jitter before its next request, as gRPC's retry policy would (KVSERVE_BACKOFF_S, default 0.5 s,
 doubling up to 8 s); KVSERVE_TIMEOUT_S is each stream's deadline (default 600 s).
-KVSERVE_TOKENS_FILE, if set, receives the totals (output tokens, streams, and each failure's
-latency by status) for `kvserve loadtest`.
+KVSERVE_TOKENS_FILE, if set, receives the totals (output tokens, streams, each failure's
+latency by status, and the raw TTFT and per-token ITL samples in ms) for `kvserve loadtest`,
+which takes its p50/p99 from those samples with the percentile `kvserve bench serve` uses
+(Locust's own columns come from its rounded response-time histogram).
 """
 
 from __future__ import annotations
@@ -55,7 +57,9 @@ SEED = int(os.environ.get("KVSERVE_SEED", "0"))
 TIMEOUT_S = float(os.environ.get("KVSERVE_TIMEOUT_S", "600"))
 BACKOFF_S = float(os.environ.get("KVSERVE_BACKOFF_S", "0.5"))
 RETRYABLE = {"RESOURCE_EXHAUSTED", "UNAVAILABLE"}
-TOTALS: dict = {"output_tokens": 0, "streams": 0, "failure_ms": {}}  # failure_ms: status -> [ms]
+# failure_ms: status -> [ms]; ttft_ms: one sample per stream; itl_ms: one per token after the
+# first message's (k tokens after a gap g: k samples of g / k, as `kvserve bench serve` counts)
+TOTALS: dict = {"output_tokens": 0, "streams": 0, "failure_ms": {}, "ttft_ms": [], "itl_ms": []}
 _USER_NUMBERS = itertools.count()  # seeds users by spawn order, so runs repeat
 
 if os.environ.get("KVSERVE_SHAPE"):
@@ -95,8 +99,10 @@ class KvserveUser(User):
                     if ttft is None:
                         ttft = now - start
                         _fire("TTFT", ttft, 0)
+                        TOTALS["ttft_ms"].append(round(1000 * ttft, 3))
                     else:
                         gaps.append((now - last) / len(response.token_ids))
+                        TOTALS["itl_ms"] += [round(1000 * gaps[-1], 3)] * len(response.token_ids)
                     tokens += len(response.token_ids)
                     last = now
                 text.append(response.text)

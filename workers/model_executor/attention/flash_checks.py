@@ -144,13 +144,10 @@ def compare_with_reference(
 ) -> dict:
     """Max abs error of the real kernels (through the backend) against the reference, and of
     both against the torch backend, per case and head shape, on the same inputs."""
-    if not _cuda(device):
-        return {"skipped": "no CUDA"}
-    missing = provider_missing(provider)
-    if missing:
-        return {"skipped": missing}
-    real = FlashAttention(make_provider(provider))
-    reference = FlashAttention(reference_provider(provider, page_multiple=1))
+    skipped = _skipped(provider, device)
+    if skipped:
+        return skipped
+    real, reference = _real_and_reference(provider)
     out: dict = {"kernel": real.kernel_name, "dtype": str(dtype), "block_size": block_size,
                  "cases": {}}
     for name, (decodes, prefills) in CASES.items():
@@ -171,13 +168,10 @@ def probe_block_sizes(
 ) -> dict:
     """Per block size: does the real kernel run a mixed step (decodes + a chunk over a cached
     prefix), and how far from the reference; or the error it raised."""
-    if not _cuda(device):
-        return {"skipped": "no CUDA"}
-    missing = provider_missing(provider)
-    if missing:
-        return {"skipped": missing}
-    real = FlashAttention(make_provider(provider))
-    reference = FlashAttention(reference_provider(provider, page_multiple=1))
+    skipped = _skipped(provider, device)
+    if skipped:
+        return skipped
+    real, reference = _real_and_reference(provider)
     result: dict = {"kernel": real.kernel_name}
     for size in sizes:
         step = random_step((3, 2 * size + 5), ((9, 9), (20, 3 * size + 1)), heads=9,
@@ -195,11 +189,9 @@ def probe_batch_invariance(
     """Is a row bit-identical alone and in a batch of different-length neighbours? For decodes
     with num_splits=1 (what the backend runs) and with the kernel's own split choice, and for a
     prefill chunk (the kernel's split choice)."""
-    if not _cuda(device):
-        return {"skipped": "no CUDA"}
-    missing = provider_missing(provider)
-    if missing:
-        return {"skipped": missing}
+    skipped = _skipped(provider, device)
+    if skipped:
+        return skipped
     result: dict = {}
     target, neighbours = 3000, (7, 9000, 130, 5000, 2, 700, 12000)
     chunk, neighbour_chunks = (64, 3000), ((5, 5), (400, 9000), (256, 2000))
@@ -288,6 +280,20 @@ def _transplant(src: Step, dst: Step, rows: slice) -> None:
     n = min(len(src_table), len(dst_table))
     dst.k_cache[dst_table[:n].long()] = src.k_cache[src_table[:n].long()]
     dst.v_cache[dst_table[:n].long()] = src.v_cache[src_table[:n].long()]
+
+
+def _skipped(provider: str, device: str) -> dict | None:
+    """Why a GPU check of `provider` cannot run here, as its JSON result; None when it can."""
+    if not _cuda(device):
+        return {"skipped": "no CUDA"}
+    missing = provider_missing(provider)
+    return {"skipped": missing} if missing else None
+
+
+def _real_and_reference(provider: str) -> tuple[FlashAttention, FlashAttention]:
+    """The backend over `provider`'s real kernels, and over its references (any page size)."""
+    return (FlashAttention(make_provider(provider)),
+            FlashAttention(reference_provider(provider, page_multiple=1)))
 
 
 def _guarded(fn, *args, **kwargs) -> dict:

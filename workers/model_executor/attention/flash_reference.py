@@ -72,18 +72,8 @@ def flash_attn_varlen_func(
                                total=None if paged else k.shape[0], batch=len(q_lens))
     _check_max("max_seqlen_q", max_seqlen_q, q_lens)
     _check_max("max_seqlen_k", max_seqlen_k, k_lens)
-    starts_k = _starts(k_lens)
-    if paged:
-        _check_block_table(block_table, k, q, k_lens)
-    scale = _scale(softmax_scale, head_dim)
-    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # [total_q, heads, d]
-    q_start = 0
-    for b, (q_len, k_len) in enumerate(zip(q_lens, k_lens, strict=True)):
-        keys, values = _sequence_kv(k, v, block_table, b, starts_k[b], k_len)
-        rows = slice(q_start, q_start + q_len)
-        out[rows] = _attend(q[rows], keys, values, scale, window)
-        q_start += q_len
-    return out.to(q.dtype)
+    return _attend_packed(q, k, v, block_table, q_lens, k_lens, _starts(k_lens),
+                          _scale(softmax_scale, head_dim), window)
 
 
 def flash_attn_with_kvcache(
@@ -182,21 +172,31 @@ def varlen_attn(
                                 f"(sequence, used, capacity): {over}")
     _check_max("max_q", max_q, q_lens)
     _check_max("max_k", max_k, k_lens)
-    starts_k = _starts(capacity)
-    if paged:
-        _check_block_table(block_table, key, query, k_lens)
-    scale = _scale(scale, head_dim)
-    out = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
-    q_start = 0
-    for b, (q_len, k_len) in enumerate(zip(q_lens, k_lens, strict=True)):
-        keys, values = _sequence_kv(key, value, block_table, b, starts_k[b], k_len)
-        rows = slice(q_start, q_start + q_len)
-        out[rows] = _attend(query[rows], keys, values, scale, window)
-        q_start += q_len
-    return out.to(query.dtype)
+    return _attend_packed(query, key, value, block_table, q_lens, k_lens, _starts(capacity),
+                          _scale(scale, head_dim), window)
 
 
 # -- the math -------------------------------------------------------------------------------
+
+
+def _attend_packed(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_table: torch.Tensor | None,
+    q_lens: list[int], k_lens: list[int], starts_k: list[int], scale: float,
+    window: tuple[int, int],
+) -> torch.Tensor:
+    """The two varlen kernels' result: sequence b's rows of the packed q ([total_q, heads, d])
+    attend to its k_lens[b] keys, packed from row starts_k[b] or, with `block_table`, in its
+    pages (the table checked first)."""
+    if block_table is not None:
+        _check_block_table(block_table, k, q, k_lens)
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # [total_q, heads, d]
+    q_start = 0
+    for b, (q_len, k_len) in enumerate(zip(q_lens, k_lens, strict=True)):
+        keys, values = _sequence_kv(k, v, block_table, b, starts_k[b], k_len)
+        rows = slice(q_start, q_start + q_len)
+        out[rows] = _attend(q[rows], keys, values, scale, window)
+        q_start += q_len
+    return out.to(q.dtype)
 
 
 def _attend(
