@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 from workers.core.host_block_pool import HostBlockPool
 from workers.core.kv_events import KVCopyPlan, KVEvents
+from workers.core.outputs import KVManagerStats
 from workers.core.prefix_hash import extend_block_hashes
 
 if TYPE_CHECKING:  # only its attributes are used here; sequence.py imports torch
@@ -48,24 +49,6 @@ class KVCacheBlocks:
     added, in table order. A copy: the request's table itself stays the KV manager's to change."""
 
     block_ids: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class KVManagerStats:
-    """A snapshot of the KV manager: block counts now, and counters since it started."""
-
-    device_blocks: int
-    device_used: int  # referenced by live requests
-    device_cached: int  # unreferenced, kept for prefix hits (counted free)
-    host_blocks: int  # the CPU offload tier; 0 when off
-    host_used: int  # cached + swapped
-    host_cached: int
-    prefix_queried_tokens: int  # prompt tokens looked up (once per request)
-    prefix_hit_tokens: int  # of which were found cached (either tier)
-    blocks_offloaded: int
-    blocks_restored: int
-    blocks_swapped_out: int
-    blocks_swapped_in: int
 
 
 class BlockManager:

@@ -34,9 +34,9 @@ class RequestOutput:
         return self.finish_reason is not None
 
 
-@dataclass
-class KVCacheStats:
-    """A snapshot of the KV cache: block counts now, and counters since the engine started."""
+@dataclass(frozen=True)
+class KVManagerStats:
+    """A snapshot of the KV manager: block counts now, and counters since it started."""
 
     device_blocks: int
     device_used: int  # referenced by live requests
@@ -46,11 +46,18 @@ class KVCacheStats:
     host_cached: int
     prefix_queried_tokens: int  # prompt tokens looked up (once per request)
     prefix_hit_tokens: int  # of which were found cached (either tier)
-    preemptions: int
-    blocks_offloaded: int  # cached device blocks demoted to the host tier
-    blocks_restored: int  # host-tier prefix hits copied back
-    blocks_swapped_out: int  # preempted requests' blocks copied to the host tier
+    blocks_offloaded: int
+    blocks_restored: int
+    blocks_swapped_out: int
     blocks_swapped_in: int
+
+
+@dataclass(frozen=True)
+class KVCacheStats(KVManagerStats):
+    """The engine's snapshot of the KV cache: the KV manager's, plus what the engine counts
+    (preemptions, the bytes and time of device <-> host copies)."""
+
+    preemptions: int
     swap_bytes: int  # bytes copied between device and host, all four kinds
     swap_seconds: float
 
