@@ -25,6 +25,7 @@ that is the gRPC proxy, where each request arrives as a pickled `gRPCRequest` (b
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import pickle
@@ -33,6 +34,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -122,24 +124,27 @@ def generate_request_of(pending_request: PendingRequest | None) -> pb.GenerateRe
     return None
 
 
-def request_router_config(
-    model: str | None = None,
-    *,
-    imbalance_threshold: float = DEFAULT_IMBALANCE_THRESHOLD,
-    min_matched_blocks: int = 1,
-    manager_timeout_s: float = DEFAULT_MANAGER_TIMEOUT_S,
-    manager_retry_s: float = DEFAULT_MANAGER_RETRY_S,
-    tokenizer_wait_s: float = DEFAULT_TOKENIZER_WAIT_S,
-    deployment_name: str | None = None,
-) -> RequestRouterConfig:
-    """`deployment.options(request_router_config=request_router_config(model))` turns it on.
+@dataclass(frozen=True)
+class RouterSettings:
+    """The router's settings, defined once: `request_router_config` checks and ships them as
+    Serve's `request_router_kwargs`, and `initialize_state` receives them back.
 
     `model` must be the engine's (`EngineConfig.model`): its tokenizer makes the hashes.
     `deployment_name` names the cache manager to ask (default: the routed deployment's)."""
-    kwargs = {"model": model, "imbalance_threshold": imbalance_threshold,
-              "min_matched_blocks": min_matched_blocks, "manager_timeout_s": manager_timeout_s,
-              "manager_retry_s": manager_retry_s, "tokenizer_wait_s": tokenizer_wait_s,
-              "deployment_name": deployment_name}
+
+    model: str | None = None
+    imbalance_threshold: float = DEFAULT_IMBALANCE_THRESHOLD
+    min_matched_blocks: int = 1
+    manager_timeout_s: float = DEFAULT_MANAGER_TIMEOUT_S
+    manager_retry_s: float = DEFAULT_MANAGER_RETRY_S
+    tokenizer_wait_s: float = DEFAULT_TOKENIZER_WAIT_S
+    deployment_name: str | None = None
+
+
+def request_router_config(model: str | None = None, **settings: Any) -> RequestRouterConfig:
+    """`deployment.options(request_router_config=request_router_config(model))` turns it on;
+    `settings` are RouterSettings' other fields (a wrong name fails here, not in the proxy)."""
+    kwargs = dataclasses.asdict(RouterSettings(model=model, **settings))
     return RequestRouterConfig(request_router_class=ROUTER_CLASS, request_router_kwargs=kwargs)
 
 
@@ -164,24 +169,17 @@ class CacheAwareRouter(RequestRouter):
     Not FIFOMixin: a replica chosen for a request must go to that request, not to the oldest
     one waiting. Not LocalityMixin: a cache hit on another node beats a cold local replica."""
 
-    def initialize_state(
-        self,
-        model: str | None = None,
-        imbalance_threshold: float = DEFAULT_IMBALANCE_THRESHOLD,
-        min_matched_blocks: int = 1,
-        manager_timeout_s: float = DEFAULT_MANAGER_TIMEOUT_S,
-        manager_retry_s: float = DEFAULT_MANAGER_RETRY_S,
-        tokenizer_wait_s: float = DEFAULT_TOKENIZER_WAIT_S,
-        deployment_name: str | None = None,
-    ) -> None:
-        """Serve calls it with `RequestRouterConfig.request_router_kwargs`."""
-        self._model = model
-        self._imbalance_threshold = float(imbalance_threshold)
-        self._min_matched_blocks = int(min_matched_blocks)
-        self._manager_timeout_s = manager_timeout_s
-        self._manager_retry_s = manager_retry_s
-        self._tokenizer_wait_s = tokenizer_wait_s
-        self._deployment_name = deployment_name or deployment_key(*routed_deployment(self))
+    def initialize_state(self, **kwargs: Any) -> None:
+        """Serve calls it with `RequestRouterConfig.request_router_kwargs` (RouterSettings)."""
+        settings = RouterSettings(**kwargs)
+        self._model = settings.model
+        self._imbalance_threshold = float(settings.imbalance_threshold)
+        self._min_matched_blocks = int(settings.min_matched_blocks)
+        self._manager_timeout_s = settings.manager_timeout_s
+        self._manager_retry_s = settings.manager_retry_s
+        self._tokenizer_wait_s = settings.tokenizer_wait_s
+        self._deployment_name = (settings.deployment_name
+                                 or deployment_key(*routed_deployment(self)))
         self._manager: Any = None
         self._manager_retry_at = 0.0
         self._block_size: int | None = None
