@@ -17,6 +17,13 @@ def run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([*KVSERVE, *args], capture_output=True, text=True, timeout=timeout)
 
 
+def run_json(*args: str) -> dict:
+    """A `--json` command that must succeed: its one JSON object."""
+    out = run(*args)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
 @pytest.mark.parametrize("args", [[], ["generate"], ["bench", "throughput"], ["up"]])
 def test_help_explains_every_command(args):
     out = run(*args, "--help")
@@ -58,7 +65,7 @@ def test_help_explains_every_flag_of_every_command():
 
 
 def test_generate_json_matches_the_engine(real_engine):
-    out = run(
+    result = run_json(
         "generate",
         "What is the capital of France?",
         "--chat",
@@ -68,8 +75,6 @@ def test_generate_json_matches_the_engine(real_engine):
         "--kv-cache-memory",
         "256MiB",
     )
-    assert out.returncode == 0, out.stderr
-    result = json.loads(out.stdout)
     assert set(result) >= {"text", "token_ids", "finish_reason", "usage"}
     ids = solo_ids(
         real_engine,
@@ -115,7 +120,7 @@ def test_bad_input_is_a_clear_error_not_a_traceback():
 
 @pytest.mark.slow  # loads the real model in a subprocess
 def test_bench_throughput_json_reports_every_contender():
-    out = run(
+    report = run_json(
         "bench",
         "throughput",
         "--requests",
@@ -132,8 +137,6 @@ def test_bench_throughput_json_reports_every_contender():
         "2",
         "--json",
     )
-    assert out.returncode == 0, out.stderr
-    report = json.loads(out.stdout)
     assert len(report["runs"]["kvserve_tok_s"]) == 2
     assert report["kvserve_tok_s"] == max(report["runs"]["kvserve_tok_s"])
     best = report["runs"]["decode_vs_bandwidth_limit"].index(report["decode_vs_bandwidth_limit"])
@@ -163,11 +166,9 @@ def test_bench_throughput_json_reports_every_contender():
 def test_bench_throughput_bf16_puts_fp32_and_the_matmul_share_beside_it():
     """--dtype bfloat16 on a CPU: HF in bf16, kvserve fp32 in the same run, and each kvserve
     run's share of time in its projections (what bf16 shrinks) against the rest."""
-    out = run("bench", "throughput", "--dtype", "bfloat16", "--requests", "2", "--prompt-len",
-              "16", "--output-len", "4", "--hf-sequential-requests", "1", "--kv-cache-memory",
-              "64MiB", "--json")
-    assert out.returncode == 0, out.stderr
-    report = json.loads(out.stdout)
+    report = run_json("bench", "throughput", "--dtype", "bfloat16", "--requests", "2",
+                      "--prompt-len", "16", "--output-len", "4", "--hf-sequential-requests", "1",
+                      "--kv-cache-memory", "64MiB", "--json")
     assert report["config"]["dtype"] == "bfloat16"
     assert report["fp32_kvserve_tok_s"] > 0
     assert report["speedup_vs_fp32"] == pytest.approx(

@@ -259,6 +259,14 @@ def slow_side_stream(copier: KVCopier) -> None:
         torch.cuda._sleep(SLEEP_CYCLES)
 
 
+def busy_copier() -> tuple[KVCache, KVCache, KVCopier]:
+    """A device pool, a host tier, and a copier whose side stream is busy (copies lag)."""
+    device, host = cuda_pair()
+    copier = KVCopier(device, host)
+    slow_side_stream(copier)
+    return device, host, copier
+
+
 def read_refilled(device: KVCache, ids: list[int]) -> torch.Tensor:
     """A model read on the current (compute) stream: layer 0's K of blocks `ids`, to host."""
     k = device[0][0]
@@ -290,9 +298,7 @@ def test_cuda_host_tier_and_staging_are_pinned_and_copies_use_a_side_stream() ->
 @pytest.mark.gpu
 @needs_cuda
 def test_cuda_compute_stream_waits_for_host_to_device_copies() -> None:
-    device, host = cuda_pair()
-    copier = KVCopier(device, host)
-    slow_side_stream(copier)
+    device, host, copier = busy_copier()
     copier.copy(h2d((1, 2), (3, 4)))
     got = read_refilled(device, [2, 4])
     assert torch.equal(got, torch.stack([host[0][0][1], host[0][0][3]]))
@@ -347,9 +353,7 @@ def test_cuda_model_write_after_swap_out_does_not_corrupt_it() -> None:
 @pytest.mark.gpu
 @needs_cuda
 def test_cuda_host_to_device_path_never_synchronizes() -> None:
-    device, host = cuda_pair()
-    copier = KVCopier(device, host)
-    slow_side_stream(copier)
+    device, host, copier = busy_copier()
     torch.cuda.set_sync_debug_mode("error")
     try:
         start = time.perf_counter()
