@@ -116,7 +116,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(autouse=True)
 def _shared_ray_only_for_serving_modules(request: pytest.FixtureRequest) -> Iterator[None]:
-    """The shared cluster runs only during modules that use it (`USES_SHARED_RAY = True`):
+    """The shared cluster runs only during modules that use it (`USES_SHARED_RAY = "<group>"`):
     other tests start their own Ray heads, or check that none is running."""
     serving = sys.modules.get("tests.serving")
     if serving is not None and serving.cluster_running() and not _shared_ray_group(request.node):
