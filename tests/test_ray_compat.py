@@ -218,7 +218,8 @@ def test_the_router_internals_the_cache_aware_router_reads():
         replicas = [_Replica("a", 3), _Replica("b", 0)]
         router.update_replicas(replicas)
         probed = await ray_compat.probe_queue_lens(router, replicas)
-        assert [(r.replica_id.unique_id, n) for r, n in probed] == [("a", 3), ("b", 0)]
+        # in the order the probes answer, which is not the replicas' order
+        assert sorted((r.replica_id.unique_id, n) for r, n in probed) == [("a", 3), ("b", 0)]
         # the probe feeds Serve's (public) queue length cache, as the router relies on
         assert router.replica_queue_len_cache.get(replicas[0].replica_id) == 3
         from ray.serve.request_router import PendingRequest

@@ -229,9 +229,13 @@ def _chaos(served, redis, traffic: _Traffic):
         traffic.wait_for(lambda r: True, seen + 2, timeout_s=120)
 
     traffic.wait_for(lambda r: r.error is None, 4)  # both replicas warm, prefixes cached
-    busy = poll(lambda: [r for r in _replica_rows(served.handle, timeout=5) if r["running"] > 0],
-                bool, 60, 0.05)
-    assert busy, "no replica was streaming"
+    # the replica with the most streams, and at least two: a row is up to a second old, and
+    # cache-aware routing may send every client to the replica holding the shared prefix, so a
+    # replica with one stream a second ago may be idle now (killing it would test nothing)
+    busy = poll(lambda: sorted(_replica_rows(served.handle, timeout=5),
+                               key=lambda r: -r["running"]),
+                lambda rows: bool(rows) and rows[0]["running"] >= 2, 60, 0.05)
+    assert busy and busy[0]["running"] >= 2, f"no replica was streaming: {busy}"
     began = time.monotonic()
     os.kill(busy[0]["pid"], signal.SIGKILL)
     two_more()

@@ -163,7 +163,7 @@ def engine_config_like_service(model: str, max_model_len: int,
                                threads: int | None) -> EngineConfig:
     """The engine a default replica builds (AppConfig's defaults) for the served model."""
     settings = AppConfig(model=model).engine_config()
-    return EngineConfig(**(settings | {"max_model_len": max_model_len}), num_threads=threads)
+    return EngineConfig(**(settings | {"max_model_len": max_model_len, "num_threads": threads}))
 
 
 def level_result(service: RunResult, engine: RunResult | None) -> LevelResult:
