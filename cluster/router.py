@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
+from ray.exceptions import ActorDiedError
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
@@ -182,6 +183,7 @@ class CacheAwareRouter(RequestRouter):
                                  or deployment_key(*routed_deployment(self)))
         self._manager: Any = None
         self._manager_retry_at = 0.0
+        self._relooked = False  # the last failure was a dead manager, looked up again at once
         self._block_size: int | None = None
         # one thread: tokenizer calls never overlap, and the load runs before them
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvserve-router")
@@ -297,14 +299,24 @@ class CacheAwareRouter(RequestRouter):
         if manager is None:
             raise ManagerUnavailableError
         try:
-            return await asyncio.wait_for(getattr(manager, method).remote(*args),
-                                          self._manager_timeout_s)
+            result = await asyncio.wait_for(getattr(manager, method).remote(*args),
+                                            self._manager_timeout_s)
         except Exception as exc:  # dead actor, timeout, error in the manager
-            logger.warning("cache manager %s failed (%r); routing on load for %.0f s",
-                           method, exc, self._manager_retry_s)
             self._manager, self._block_size = None, None
-            self._manager_retry_at = time.monotonic() + self._manager_retry_s
+            # A dead actor's name may already belong to its successor: an app redeployed under
+            # the same name starts a new manager, which Serve's proxy, keeping this router,
+            # would otherwise ignore for manager_retry_s. So the first death is looked up again
+            # at the next request; a second in a row waits, as any other failure does.
+            relook = isinstance(exc, ActorDiedError) and not self._relooked
+            self._relooked = relook
+            retry_s = 0.0 if relook else self._manager_retry_s
+            logger.warning("cache manager %s failed (%r); routing on load for %.0f s",
+                           method, exc, retry_s)
+            self._manager_retry_at = time.monotonic() + retry_s
             raise ManagerUnavailableError from exc
+        else:
+            self._relooked = False
+            return result
 
     async def _get_manager(self) -> Any:
         if self._manager is not None or time.monotonic() < self._manager_retry_at:

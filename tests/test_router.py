@@ -317,6 +317,29 @@ def test_missing_manager_routes_on_load_then_is_found_later(monkeypatch):
     assert names == ["default.Generation"]
 
 
+def test_a_dead_manager_is_looked_up_again_at_once_then_its_successor_is_used(monkeypatch):
+    """An app redeployed under the same name has a new manager; the proxy keeps this router,
+    whose handle points at the dead one. The next request finds the successor, instead of
+    routing on load for manager_retry_s (negative control: with the usual retry, request 2
+    goes to the least-loaded replica b)."""
+    from ray.exceptions import ActorDiedError
+
+    dead = FakeManager({"a": HASHES}, error=ActorDiedError())
+    successor = FakeManager({"a": HASHES})
+    found = iter([dead, successor, dead])
+    names = use_manager(monkeypatch, None)
+    monkeypatch.setattr(router_mod, "_lookup_manager",
+                        lambda name: names.append(name) or next(found))
+
+    async def run() -> None:
+        router = make_router([FakeReplica("a", 2), FakeReplica("b", 0)], manager_retry_s=60)
+        assert await route(router, ids_request(PROMPT), rid="1") == "b"  # the dead one failed
+        assert await route(router, ids_request(PROMPT), rid="2") == "a"  # its successor
+        assert len(names) == 2
+
+    asyncio.run(run())
+
+
 def test_a_slow_manager_times_out_and_routing_goes_on(monkeypatch):
     manager = FakeManager({"a": HASHES}, delay_s=5.0)
     use_manager(monkeypatch, manager)
