@@ -50,6 +50,10 @@ class SchedulerOutput:
         return sum(c.num_tokens for c in self.chunks)
 
 
+def _num_decoding(running: Seqs[Sequence]) -> int:
+    return sum(s.num_tokens - s.num_computed_tokens == 1 for s in running)
+
+
 class Scheduler:
     def __init__(
         self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
@@ -68,7 +72,7 @@ class Scheduler:
 
     def num_decoding(self) -> int:
         """Running sequences whose next step computes one new token."""
-        return sum(s.num_tokens - s.num_computed_tokens == 1 for s in self.running)
+        return _num_decoding(self.running)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -81,7 +85,7 @@ class Scheduler:
         left = (s.num_tokens - s.num_computed_tokens for s in [*running, *waiting])
         return SchedulerStats(
             num_running=len(running), num_waiting=len(waiting),
-            num_decoding=sum(s.num_tokens - s.num_computed_tokens == 1 for s in running),
+            num_decoding=_num_decoding(running),
             num_preemptions=self.num_preemptions,
             waiting_kv_blocks=sum(self.kv_blocks_at_longest(s) for s in waiting),
             prompt_tokens_left=sum(n for n in left if n > 1),
