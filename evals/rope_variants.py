@@ -1,11 +1,11 @@
 """RoPE scaling variants for the recall eval, as transformers' `rope_parameters` overrides.
 
-`none` runs the model as trained; `linear:F`, `dynamic:F` (NTK), `yarn:F` and `llama3:F` scale by
-factor F, with the type's own keys at transformers' defaults unless given after the factor:
-`yarn:4,beta_fast=32`. The engine evaluates transformers' own RoPE code with the override
-(workers.model_executor.rope), so the math is Hugging Face's;
-`original_max_position_embeddings` defaults to
-the trained context (workers/model_executor/loader.py: `override_rope`).
+`none` runs the model as trained; `linear:F`, `dynamic:F` (NTK), `yarn:F`, `llama3:F` and
+`longrope:F` scale by factor F, with the type's own keys at transformers' defaults unless given
+after the factor: `yarn:4,beta_fast=32`. The engine evaluates transformers' own RoPE code with the
+override (workers.model_executor.rope), so the math is Hugging Face's;
+`original_max_position_embeddings` defaults to the trained context, and longrope's per-frequency
+factors to uniform ones (workers/model_executor/loader.py: `override_rope`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-TYPES = ("linear", "dynamic", "yarn", "llama3")
+TYPES = ("linear", "dynamic", "yarn", "llama3", "longrope")
 LLAMA3_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0}
 
 

@@ -20,6 +20,7 @@ from tests.helpers import assert_engine_idle, output_ids
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
 from workers.model_executor.loader import LoadedCheckpoint
+from workers.model_executor.rope import RopeSpan
 from workers.model_executor.tiny import tiny_checkpoint, tiny_config
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -34,6 +35,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "yarn": parse_rope_variant(f"yarn:4,original_max_position_embeddings={TRAINED_LEN}")
     .rope_parameters,
     "llama3": parse_rope_variant("llama3:8,original_max_position_embeddings=256").rope_parameters,
+    "longrope": parse_rope_variant("longrope:2").rope_parameters,
 }
 POSITIONS = [0, 1, 2, 15, 16, 100, 255, 256, 257, 511, 512, 513, 600, 777, 1023]
 
@@ -48,10 +50,11 @@ class Setup:
 
 
 
-def _engine(ckpt: LoadedCheckpoint, rope: dict[str, Any] | None) -> LLMEngine:
+def _engine(ckpt: LoadedCheckpoint, rope: dict[str, Any] | None, chunk: int = MAX_MODEL_LEN,
+            **config: Any) -> LLMEngine:
     config = EngineConfig(
-        rope_parameters=rope, max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=MAX_MODEL_LEN,
-        kv_cache_memory=4 * 1024**2, device="cpu",
+        rope_parameters=rope, max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=chunk,
+        device="cpu", **({"kv_cache_memory": 4 * 1024**2} | config),
     )
     return LLMEngine(config, checkpoint=ckpt)
 
@@ -96,7 +99,9 @@ def test_override_reaches_the_engine(setup: Setup) -> None:
 
 def test_cos_sin_equal_hf(setup: Setup) -> None:
     """One chunk of scattered positions up to max_model_len - 1, past the trained length."""
-    cos, sin = setup.engine.runner.rope.lookup(torch.tensor(POSITIONS), [len(POSITIONS)])
+    # as one forward call over a 1024-token sequence: transformers' length is max(position) + 1
+    span = RopeSpan(start=0, num_tokens=len(POSITIONS), prompt_len=MAX_MODEL_LEN)
+    cos, sin = setup.engine.runner.rope.lookup(torch.tensor(POSITIONS), [span])
     ref_cos, ref_sin = _hf_cos_sin(setup.ckpt.config, POSITIONS)
     assert cos.shape == ref_cos.shape == (len(POSITIONS), 16)
     assert torch.equal(cos, ref_cos)
@@ -109,14 +114,16 @@ def test_cos_sin_equal_hf(setup: Setup) -> None:
 
 
 def test_cos_sin_per_chunk_equal_hf(setup: Setup) -> None:
-    """Two sequences in one step: a short prefill and positions 600..700 of a 701-token sequence.
+    """Two sequences in one step: a short prefill and the last chunk (600..700) of a 701-token
+    prompt.
 
-    Dynamic NTK rotates each chunk with the base for the length its sequence reaches, as
-    transformers does for the whole sequence at once; a batch neighbour must not change it.
+    Dynamic NTK rotates every prompt token with the base for the prompt's length, as
+    transformers does for the whole prompt at once; a batch neighbour must not change it.
     """
     short, long_tail = list(range(10)), list(range(600, 701))
     positions = torch.tensor(short + long_tail)
-    cos, sin = setup.engine.runner.rope.lookup(positions, [len(short), len(long_tail)])
+    spans = [RopeSpan(0, len(short), len(short)), RopeSpan(600, len(long_tail), 701)]
+    cos, sin = setup.engine.runner.rope.lookup(positions, spans)
     ref_cos_short, ref_sin_short = _hf_cos_sin(setup.ckpt.config, short)
     ref_cos_long, ref_sin_long = _hf_cos_sin(setup.ckpt.config, list(range(701)))
     assert torch.equal(cos[:10], ref_cos_short) and torch.equal(sin[:10], ref_sin_short)
@@ -131,9 +138,31 @@ def test_cos_sin_per_chunk_equal_hf(setup: Setup) -> None:
         assert (cos[10:] - other_cos[600:701]).abs().max() > 1e-4
 
 
-@pytest.mark.parametrize("name", ["linear", "dynamic", "yarn"])
+def test_decoded_and_recomputed_tokens_rotate_as_transformers_decodes(setup: Setup) -> None:
+    """A 700-token prompt and 5 decoded tokens, recomputed in one chunk after a preemption:
+    prompt tokens keep the prompt's length, each later token the length it reached, as in
+    transformers' `generate()` (one forward over the prompt, then one per token)."""
+    prompt_len, total = 700, 705
+    cos, sin = setup.engine.runner.rope.lookup(torch.arange(total),
+                                               [RopeSpan(0, total, prompt_len)])
+    ref_cos, ref_sin = _hf_cos_sin(setup.ckpt.config, list(range(prompt_len)))
+    assert torch.equal(cos[:prompt_len], ref_cos) and torch.equal(sin[:prompt_len], ref_sin)
+    for p in range(prompt_len, total):  # a decode step's forward ends at p
+        step_cos, step_sin = _hf_cos_sin(setup.ckpt.config, list(range(p + 1)))
+        assert torch.equal(cos[p], step_cos[p]) and torch.equal(sin[p], step_sin[p])
+
+
+def test_cache_key_names_what_a_long_prompt_rotation_depends_on(setup: Setup) -> None:
+    rope = setup.engine.runner.rope
+    assert rope.cache_key(TRAINED_LEN) == ""  # within the trained length: plain RoPE's keys
+    want = {"dynamic": f"rope:{TRAINED_LEN + 1}", "longrope": "rope:long"}.get(setup.name, "")
+    assert rope.cache_key(TRAINED_LEN + 1) == want
+
+
+@pytest.mark.parametrize("name", ["linear", "dynamic", "yarn", "longrope"])
 def test_greedy_past_trained_length_matches_hf(name: str) -> None:
-    """A 600-token prompt (trained length 512) and 8 greedy tokens, engine vs HF generate."""
+    """A 600-token prompt (trained length 512) prefilled in 128-token chunks, and 8 greedy
+    tokens, engine vs HF generate (whose prompt is one forward call)."""
     from transformers import AutoModelForCausalLM
 
     rope = VARIANTS[name]
@@ -153,7 +182,7 @@ def test_greedy_past_trained_length_matches_hf(name: str) -> None:
     ref_logprobs = torch.log_softmax(torch.cat(ref.logits).float(), dim=-1)
     assert ckpt.tokenizer.eos_token_id not in want  # HF masks eos (min_new_tokens), engine not
 
-    engine = _engine(ckpt, rope)  # one 600-token prefill chunk, as HF's single forward
+    engine = _engine(ckpt, rope, chunk=128)  # five chunks, as a serving engine splits it
     params = {"temperature": 0.0, "max_tokens": n, "ignore_eos": True, "logprobs": 2}
     out = engine.generate_all([dict(prompt_token_ids=prompt.tolist(), params=params)])
     (stream,) = out.values()
@@ -174,7 +203,7 @@ def test_engine_config_override_applies_to_a_given_checkpoint() -> None:
     engine = _engine(tiny_checkpoint("llama"), VARIANTS["linear"])
     assert engine.info.rope_parameters["rope_type"] == "linear"
     positions = torch.tensor(POSITIONS)
-    cos, _ = engine.runner.rope.lookup(positions, [len(POSITIONS)])
+    cos, _ = engine.runner.rope.lookup(positions, [RopeSpan(0, len(POSITIONS), MAX_MODEL_LEN)])
     assert not torch.equal(cos, _default_cos_sin(POSITIONS)[0])
 
 
@@ -186,3 +215,24 @@ def test_rope_variant_specs_parse_and_reject_clearly() -> None:
     for bad in ("ntk:2", "linear", "linear:x", "yarn:2,beta", "linear:0.5"):
         with pytest.raises(ValueError, match="--rope"):
             parse_rope_variant(bad)
+
+
+def test_dynamic_output_ignores_chunking_preemption_and_neighbours() -> None:
+    """Three 560-token prompts past the trained length, 48 greedy tokens each, in 64-token
+    chunks on a pool too small for all three (preempted, then recomputed), equal one-chunk solo
+    runs: dynamic NTK's rotation depends on the request alone."""
+    rope = VARIANTS["dynamic"]
+    ckpt = tiny_checkpoint("llama", rope_parameters=rope, initializer_range=0.1)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, ckpt.config.vocab_size, (560,), generator=gen).tolist()
+               for _ in range(3)]
+    params = {"temperature": 0.0, "max_tokens": 48, "ignore_eos": True}
+    solo = _engine(ckpt, rope)
+    want = [output_ids(next(iter(solo.generate_all(
+        [dict(prompt_token_ids=p, params=params)]).values()))) for p in prompts]
+    pressed = _engine(ckpt, rope, chunk=64, num_kv_blocks=90, block_size=16)
+    out = pressed.generate_all([dict(prompt_token_ids=p, params=params, request_id=str(i))
+                                for i, p in enumerate(prompts)])
+    assert pressed.kv_stats().preemptions > 0, "the pool was not under pressure"
+    assert [output_ids(out[str(i)]) for i in range(3)] == want
+    assert_engine_idle(pressed)

@@ -16,6 +16,7 @@ import torch
 from tests.helpers import HostTraffic
 from workers.model_executor.attention.flash_backend import FlashAttention
 from workers.model_executor.attention.flash_checks import reference_provider, use_backend
+from workers.model_executor.rope import RopeSpan
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -59,16 +60,17 @@ def test_a_decode_step_makes_one_sync_and_a_fixed_number_of_host_tensors(make_ti
 
 
 def test_dynamic_rope_adds_no_sync_and_the_counter_sees_one_that_would(make_tiny_engine):
-    """Dynamic RoPE needs each chunk's length: the runner hands it over from the host. The
-    negative control asks the rotary lookup to find the lengths itself, from the device tensor:
-    that is a sync per chunk, and the counter must see it."""
+    """Dynamic RoPE needs each chunk's start and prompt length: the runner hands them over from
+    the host. The negative control reads the lengths from the device tensor instead, as a
+    lookup without them would: a sync per chunk, and the counter must see it."""
     engine = make_tiny_engine(checkpoint_kwargs={"rope_parameters": {
         "rope_type": "dynamic", "factor": 2.0}})
     traffic, _ = _decode_step_traffic(engine, 4)
     assert traffic.syncs == 1
     positions = torch.tensor([5, 9, 700, 3])  # four chunks of one token, one past 512
     with HostTraffic() as control:
-        engine.runner.rope.lookup(positions, [1, 1, 1, 1])
+        spans = [RopeSpan(int(p), 1, int(p) + 1) for p in positions]
+        engine.runner.rope.lookup(positions, spans)
     assert control.syncs >= 4
 
 

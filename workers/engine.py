@@ -129,7 +129,7 @@ class LLMEngine:
         self.kv_events = KVEvents()  # the cluster turns it on to report to its cache manager
         host = HostBlockPool(num_host_blocks, self.kv_events) if num_host_blocks else None
         self.block_manager = BlockManager(
-            num_blocks, block_size, enable_caching=_prefix_caching(config, ckpt.config),
+            num_blocks, block_size, enable_caching=config.enable_prefix_caching,
             host=host, events=self.kv_events)
         self.swap_seconds = 0.0  # time spent in KV copies between device and host
         self.prefill_rate = PrefillRate(config.max_num_batched_tokens)
@@ -195,7 +195,8 @@ class LLMEngine:
         generator = torch.Generator().manual_seed(seed)
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise InvalidRequestError("cache_salt", "must be a string")
-        return Sequence(request_id, ids, params, generator, cache_salt=cache_salt or "")
+        return Sequence(request_id, ids, params, generator,
+                        cache_salt=_salt(cache_salt or "", self.runner.rope.cache_key(len(ids))))
 
     def tokenize(
         self, *, prompt: str | None = None, prompt_token_ids: list[int] | None = None,
@@ -400,10 +401,11 @@ def _as_params(params: SamplingParams | dict[str, Any] | None) -> SamplingParams
     return params
 
 
-def _prefix_caching(config: EngineConfig, hf_config) -> bool:
-    """Off for dynamic RoPE: a cached key's rotation depends on the chunk that computed it."""
-    rope_type = (getattr(hf_config, "rope_parameters", None) or {}).get("rope_type", "default")
-    return config.enable_prefix_caching and rope_type != "dynamic"
+def _salt(tenant: str, rope_key: str) -> str:
+    """A block hash's salt: the tenant's, and what the request's RoPE rotations depend on
+    beyond its tokens (a long prompt's length under dynamic NTK, `RotaryEmbedding.cache_key`).
+    The router hashes prompts with the tenant's salt alone, so such prompts route on load."""
+    return f"{tenant}\0{rope_key}" if rope_key else tenant
 
 
 def _max_model_len(config: EngineConfig, hf_config) -> int:

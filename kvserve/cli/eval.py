@@ -45,9 +45,9 @@ def _add_recall(evals) -> None:
     r.add_argument("--depths", default="0,25,50,75,100", type=floats,
                    help="needle depths in percent (default 0,25,50,75,100)")
     r.add_argument("--rope", default="none", type=words,
-                   help="RoPE variants: none, linear:F, dynamic:F, yarn:F, llama3:F, with extra "
-                        "keys as yarn:2,beta_fast=32 (default none; separate with ';' when a "
-                        "variant has extra keys, else ',')")
+                   help="RoPE variants: none, linear:F, dynamic:F, yarn:F, llama3:F, longrope:F, "
+                        "with extra keys as yarn:2,beta_fast=32 (default none; separate with ';' "
+                        "when a variant has extra keys, else ',')")
     r.add_argument("--haystack", default="noise",
                    help="noise (the passkey filler), prose (shipped Python reference prose) or "
                         "a path to your own .txt")

@@ -158,7 +158,8 @@ def with_rope_override(
 def override_rope(config: Any, rope_parameters: dict[str, Any]) -> dict[str, Any]:
     """The checkpoint's RoPE parameters with `rope_parameters` on top (rope_theta kept).
 
-    `{"rope_type": "none"}` (or "default") restores plain RoPE as trained.
+    `{"rope_type": "none"}` (or "default") restores plain RoPE as trained. longrope without
+    `short_factor`/`long_factor` gets uniform ones: 1 within the trained length, `factor` past it.
     """
     base = dict(config.rope_parameters or {})
     theta = base.get("rope_theta", getattr(config, "rope_theta", 10000.0))
@@ -167,6 +168,11 @@ def override_rope(config: Any, rope_parameters: dict[str, Any]) -> dict[str, Any
         merged["rope_type"] = "default"
     if merged["rope_type"] in ("yarn", "llama3", "longrope"):
         merged.setdefault("original_max_position_embeddings", config.max_position_embeddings)
+    if merged["rope_type"] == "longrope":  # without per-frequency factors: uniform ones
+        half = (getattr(config, "head_dim", None)
+                or config.hidden_size // config.num_attention_heads) // 2
+        merged.setdefault("short_factor", [1.0] * half)
+        merged.setdefault("long_factor", [float(merged.get("factor", 1.0))] * half)
     return merged
 
 

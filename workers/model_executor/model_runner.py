@@ -13,15 +13,14 @@ from workers.model_executor.attention import metadata as attention_metadata
 from workers.model_executor.kv_cache import KVCacheSpec, allocate_kv_cache
 from workers.model_executor.kv_transfer import KVCopier
 from workers.model_executor.model import CausalLM
-from workers.model_executor.rope import RotaryEmbedding
+from workers.model_executor.rope import RopeSpan, RotaryEmbedding
 
 
 @dataclass
 class ModelInput:
     input_ids: torch.Tensor  # [tokens] long
     positions: torch.Tensor  # [tokens] long
-    chunk_sizes: list[int]  # tokens per chunk, in batch order
-    chunk_ends: list[int]  # sequence length at the end of each chunk (dynamic RoPE's length)
+    rope_spans: list[RopeSpan]  # each chunk's start, size and prompt length (host ints)
     meta: AttentionMetadata
     logits_rows: torch.Tensor  # [sampling chunks] long: last row of each chunk that samples
     sampling: list[ScheduledChunk]  # in the order of logits_rows
@@ -55,7 +54,7 @@ class ModelRunner:
     def execute(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, list[ScheduledChunk]]:
         """Compute every chunk; logits [sampling chunks, vocab] for those that reach their end."""
         inp = self.prepare(chunks)
-        cos, sin = self.rope.lookup(inp.positions, inp.chunk_sizes, inp.chunk_ends)
+        cos, sin = self.rope.lookup(inp.positions, inp.rope_spans)
         hidden = self.model(inp.input_ids, cos, sin, self.kv_cache, inp.meta, self.backend)
         return self.model.compute_logits(hidden[inp.logits_rows]), inp.sampling
 
@@ -78,7 +77,6 @@ class ModelRunner:
             if chunk.samples:
                 rows.append(len(ids) - 1)
                 sampling.append(chunk)
-        ends = [c.start + c.num_tokens for c in ordered]
         meta, (input_ids, pos, logits_rows) = attention_metadata.build(
             self.device, slots,
             decodes=[(c.seq.block_table, c.start + 1) for c in decodes],
@@ -86,8 +84,9 @@ class ModelRunner:
             block_size=self.block_size, extra=[ids, positions, rows],
         )
         return ModelInput(
-            input_ids=input_ids, positions=pos, chunk_sizes=[c.num_tokens for c in ordered],
-            chunk_ends=ends, meta=meta, logits_rows=logits_rows, sampling=sampling,
+            input_ids=input_ids, positions=pos,
+            rope_spans=[RopeSpan(c.start, c.num_tokens, c.seq.num_prompt_tokens) for c in ordered],
+            meta=meta, logits_rows=logits_rows, sampling=sampling,
         )
 
     def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:

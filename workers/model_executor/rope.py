@@ -5,20 +5,46 @@
 exactly Hugging Face's math, attention scaling included (yarn multiplies cos and sin). The Qwen2 and
 Mistral rotary classes are copies of the Llama one.
 
-Static RoPE types are evaluated once for every position into a table. Dynamic NTK depends on the
-sequence length: transformers recomputes the base for `max(position)+1` of each forward call, and
-keys are cached *after* rotation, so earlier keys keep the base they were rotated with. We mirror
-that per chunk: a chunk of a sequence ending at length L is rotated with the base for L, as a
-fresh rotary module would (so batch neighbours never change each other's base), but without
-building one: the frequencies for each L are evaluated once and cached.
+Static RoPE types are evaluated once for every position into a table. Two types depend on the
+sequence length: dynamic NTK (the base grows past the trained length) and longrope (short factors
+up to the trained length, long ones past it). transformers picks their frequencies from
+`max(position)+1` of each forward call, and keys are cached *after* rotation. In `generate()` the
+prompt is one forward call, so every prompt token is rotated for the *whole prompt's* length, and
+each decoded token for the length it reaches. A serving engine splits prompts into chunks and may
+preempt and recompute; to give the same answer whatever the chunking, the rotation of a token is
+a function of the token alone:
+
+    the token at position p of a request whose prompt has L tokens uses length max(p + 1, L)
+
+(`rope_length`). That is transformers' one-forward semantics for the prompt and its per-step
+rule for decoding, and recomputing a preempted request rotates every token as the first time.
+Keys computed this way depend on the prompt's length once it passes the trained length, so such
+requests get that length in their prefix-cache salt (`cache_key`): a cached block is reused only
+by a request that would have rotated it the same way.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+
+@dataclass(frozen=True)
+class RopeSpan:
+    """A chunk of one request in a step, in host ints: what a length-dependent RoPE needs."""
+
+    start: int  # position of the chunk's first token
+    num_tokens: int
+    prompt_len: int  # the request's prompt length L
+
+
+def rope_length(position: int, prompt_len: int) -> int:
+    """The sequence length whose frequencies rotate the token at `position`: max(p + 1, L)."""
+    return max(position + 1, prompt_len)
 
 
 class RotaryEmbedding:
@@ -30,13 +56,14 @@ class RotaryEmbedding:
         self.device = device
         self.dtype = dtype  # the activations': transformers casts cos/sin to it
         self.rope_type = config.rope_parameters.get("rope_type", "default")
-        self.dynamic = "dynamic" in self.rope_type
+        self.dynamic = "dynamic" in self.rope_type or self.rope_type == "longrope"
         if not self.dynamic:
             # cos/sin: [positions, head_dim]
             self.cos, self.sin = self._evaluate(torch.arange(max_positions, device=device))
         else:
             module = LlamaRotaryEmbedding(config)
-            self.original_len = module.original_max_seq_len
+            self.original_len = (config.rope_parameters["original_max_position_embeddings"]
+                                 if self.rope_type == "longrope" else module.original_max_seq_len)
             self.original_inv_freq = module.original_inv_freq.to(device)  # [head_dim / 2]
             self.original_scaling = float(module.attention_scaling)
             self._inv_freq: dict[int, tuple[torch.Tensor, float]] = {}
@@ -48,51 +75,69 @@ class RotaryEmbedding:
         cos, sin = module(probe, positions[None, :])
         return cos[0], sin[0]
 
+    def cache_key(self, prompt_len: int) -> str:
+        """What a request's cached keys depend on besides its tokens: "" unless this RoPE is
+        length-dependent and the prompt passes the trained length (then its rotations depend on
+        L, for dynamic NTK, or on being long, for longrope)."""
+        if not self.dynamic or prompt_len <= self.original_len:
+            return ""
+        return "rope:long" if self.rope_type == "longrope" else f"rope:{prompt_len}"
+
     def lookup(
-        self, positions: torch.Tensor, chunk_sizes: list[int], chunk_ends: list[int] | None = None
+        self, positions: torch.Tensor, spans: list[RopeSpan]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin [tokens, head_dim]; `chunk_sizes` splits `positions` into per-sequence chunks,
-        `chunk_ends` (host ints) is each chunk's max(position)+1 (read from `positions`, a device
-        sync, when not given)."""
+        """cos/sin [tokens, head_dim] for `positions` [tokens], which `spans` split into the
+        step's chunks, in order (host ints: a length-dependent RoPE costs no device sync)."""
         if not self.dynamic:
             return self.cos[positions], self.sin[positions]
-        if chunk_ends is None:
-            chunk_ends = [int(c.max()) + 1 for c in positions.split(chunk_sizes)]
-        return self._dynamic(positions, chunk_sizes, chunk_ends)
+        sizes: list[int] = []
+        lengths: list[int] = []
+        for span in spans:
+            # the chunk's prompt tokens share the prompt's length; later ones have their own
+            in_prompt = min(max(span.prompt_len - span.start, 0), span.num_tokens)
+            if in_prompt:
+                sizes.append(in_prompt)
+                lengths.append(span.prompt_len)
+            for p in range(span.start + in_prompt, span.start + span.num_tokens):
+                sizes.append(1)
+                lengths.append(rope_length(p, span.prompt_len))
+        return self._dynamic(positions, sizes, lengths)
 
     def _dynamic(
-        self, positions: torch.Tensor, chunk_sizes: list[int], chunk_ends: list[int]
+        self, positions: torch.Tensor, sizes: list[int], lengths: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """transformers' dynamic module, fresh per chunk, evaluated without building one: a chunk
-        ending at length L > the trained length gets the NTK base for L, a shorter one the
-        original frequencies. The same fp32 products and cos/sin as the module, bit for bit."""
-        per_chunk = [self._inv_freq_for(end) for end in chunk_ends]
-        scaling = {s for _, s in per_chunk}
-        # inv_freq: [tokens, head_dim / 2], each chunk's row repeated over its tokens
-        inv_freq = torch.cat([f.expand(n, -1) for (f, _), n in zip(per_chunk, chunk_sizes,
-                                                                   strict=True)])
+        """transformers' module evaluated for each run of `sizes` tokens at its length, without
+        building one: the same fp32 products and cos/sin as the module, bit for bit."""
+        per_run = [self._inv_freq_for(length) for length in lengths]
+        # inv_freq: [tokens, head_dim / 2], each run's row repeated over its tokens
+        inv_freq = torch.cat([f.expand(n, -1) for (f, _), n in zip(per_run, sizes, strict=True)])
         freqs = positions[:, None].float() * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)  # [tokens, head_dim]
-        if len(scaling) > 1:  # not so for dynamic NTK (its factor is 1), but kept general
+        scaling = {s for _, s in per_run}
+        if len(scaling) > 1:  # not so for dynamic NTK nor longrope, but kept general
             factor = torch.cat([torch.full((n, 1), s, device=self.device)
-                                for (_, s), n in zip(per_chunk, chunk_sizes, strict=True)])
+                                for (_, s), n in zip(per_run, sizes, strict=True)])
             return (emb.cos() * factor).to(self.dtype), (emb.sin() * factor).to(self.dtype)
         (factor,) = scaling
         return (emb.cos() * factor).to(self.dtype), (emb.sin() * factor).to(self.dtype)
 
     def _inv_freq_for(self, length: int) -> tuple[torch.Tensor, float]:
-        """([head_dim / 2] fp32 inverse frequencies, attention scaling) for a chunk ending at
+        """([head_dim / 2] fp32 inverse frequencies, attention scaling) for a sequence of
         `length`, cached per length (one small evaluation per new length, on the device)."""
         if length <= self.original_len:
             return self.original_inv_freq, self.original_scaling
+        if self.rope_type == "longrope":  # one long set past the trained length, as transformers
+            length = self.original_len + 1
         cached = self._inv_freq.get(length)
         if cached is None:
-            if len(self._inv_freq) >= 4096:  # lengths only grow; keep the cache bounded
+            if len(self._inv_freq) >= 4096:  # keep the cache bounded
                 self._inv_freq.clear()
             # as a tensor, as the module passes max(position_ids)+1: its arithmetic is then fp32
             seq_len = torch.tensor(length, device=self.device)
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[self.rope_type](
                 self.config, self.device, seq_len=seq_len)
+            if self.rope_type == "longrope":  # the module keeps its initial attention scaling
+                scaling = self.original_scaling
             cached = self._inv_freq[length] = (inv_freq.float(), float(scaling))
         return cached
 
