@@ -13,6 +13,7 @@ longest length whose score, and every shorter length's, stays at or above the th
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,8 @@ class RecallConfig:
     depths: list[float]
     variants: list[RopeVariant]
     samples: int  # per (length, depth) cell
+    samples_at: dict[int, int] = field(default_factory=dict)  # length -> samples, overriding
+    variant_lengths: dict[str, list[int]] = field(default_factory=dict)  # name -> its lengths
     seed: int = 0
     haystack: str = "noise"  # noise | prose | the text of a user's file
     haystack_name: str = "noise"
@@ -48,7 +51,17 @@ class RecallConfig:
     target: str | None = None  # a running deployment instead of in-process
     engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields
 
+    def samples_for(self, length: int) -> int:
+        return self.samples_at.get(length, self.samples)
+
+    def lengths_for(self, variant: RopeVariant) -> list[int]:
+        """The lengths `variant` runs at: all of them unless restricted (`--rope yarn:4@16k`)."""
+        return self.variant_lengths.get(variant.name, self.lengths)
+
     def check(self) -> None:
+        for name, lengths in self.variant_lengths.items():
+            if not set(lengths) <= set(self.lengths):
+                raise ValueError(f"--rope {name}@...: its lengths must be among --lengths")
         if self.target and any(v.rope_parameters for v in self.variants):
             raise ValueError("--rope overrides need in-process mode: a deployment (--target) "
                              "runs the model as deployed; use --rope none with --target")
@@ -62,7 +75,7 @@ def build_all(cfg: RecallConfig, tokenizer: Any) -> list[RecallSample]:
     return [build_sample(task, tokenizer, length, depth, i, cfg.seed, cfg.haystack,
                          cfg.value_kind)
             for task in cfg.tasks for length in cfg.lengths for depth in cfg.depths
-            for i in range(cfg.samples)]
+            for i in range(cfg.samples_for(length))]
 
 
 def run_recall(cfg: RecallConfig, progress: bool = True) -> dict[str, Any]:
@@ -74,7 +87,8 @@ def run_recall(cfg: RecallConfig, progress: bool = True) -> dict[str, Any]:
     samples = build_all(cfg, tokenizer)
     log = SampleLog(cfg.out / "samples.jsonl")
     for variant in cfg.variants:
-        pending = [s for s in samples if not log.has(sample_key(variant, s))]
+        pending = [s for s in samples if s.length in cfg.lengths_for(variant)
+                   and not log.has(sample_key(variant, s))]
         if pending:
             _answer(cfg, variant, pending, log, progress)
     return report(cfg, samples, log, trained_length(cfg))
@@ -90,24 +104,47 @@ def _answer(cfg: RecallConfig, variant: RopeVariant, pending: list[RecallSample]
     bar = tqdm(total=len(pending), desc=f"recall {variant.name}", unit="sample",
                disable=not progress)
 
+    last = [time.perf_counter()]
+
     def done(result) -> None:
         s = by_id[result.request_id]
-        log.append(_record(variant, s, result.text, result.token_ids))
+        now = time.perf_counter()
+        log.append(_record(variant, s, result.text, result.token_ids, now - last[0]))
+        last[0] = now
         bar.update()
 
-    requests = [GenRequest(key, {"temperature": 0, "max_tokens": s.max_tokens}, prompt=s.prompt)
-                for key, s in by_id.items()]
-    for length in sorted({s.length for s in pending}):  # short first: early, steady progress
+    # short lengths first, for early, steady progress. Within a length, deepest needles first:
+    # the haystack before a needle is the same in every sample of a task, so with prefix
+    # caching on each later sample reuses the KV computed for an earlier one up to its needle
+    # (`--enable-prefix-caching --max-num-seqs 1` makes that the whole shared prefix).
+    order = sorted(pending, key=lambda s: (s.length, s.task, -s.depth, s.index))
+    requests = [GenRequest(sample_key(variant, s), {"temperature": 0, "max_tokens": s.max_tokens},
+                           prompt=s.prompt) for s in order]
+    for length in sorted({s.length for s in pending}):
         generator.generate([r for r in requests if by_id[r.request_id].length == length], done)
     bar.close()
 
 
-def _record(variant: RopeVariant, s: RecallSample, text: str, token_ids: list[int]) -> dict:
+def _record(variant: RopeVariant, s: RecallSample, text: str, token_ids: list[int],
+            seconds: float) -> dict:
+    """A sample's log line. `seconds` is the time since the previous sample finished (its own
+    time when samples run one at a time), `machine` the CPU or GPU that answered it."""
     return {"key": sample_key(variant, s), "variant": variant.name, "task": s.task,
             "length": s.length, "depth": s.depth, "index": s.index, "seed": s.seed,
             "prompt_hash": s.sample_id, "prompt_tokens": s.prompt_tokens,
             "targets": list(s.targets), "response": text, "response_token_ids": token_ids,
-            "scores": score_sample(s.task, text, s.targets)}
+            "scores": score_sample(s.task, text, s.targets), "seconds": round(seconds, 2),
+            "machine": _machine()}
+
+
+def _machine() -> str:
+    import torch
+
+    from workers.model_executor.cpu_kernels import cpu_summary
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return f"{cpu_summary()}, {torch.get_num_threads()} threads"
 
 
 def trained_length(cfg: RecallConfig) -> int | None:
@@ -129,14 +166,17 @@ def report(cfg: RecallConfig, samples: list[RecallSample], log: SampleLog,
         summaries = {m: summarize_cell([s[m] for s in scores]) for m in TASK_METRICS[task]}
         results[name] = metric_entry({m: v["mean"] for m, v in summaries.items()},
                                      {m: v["stderr"] for m, v in summaries.items()})
-        n_samples[name] = {"original": len(by_depth) * cfg.samples, "effective": len(scores)}
+        n_samples[name] = {"original": len(by_depth) * cfg.samples_for(length),
+                           "effective": len(scores)}
         rows += [_csv_row(variant, task, length, depth, records)
                  for depth, records in by_depth.items()]
     curves = _curves(cells)
     effective = {v: effective_length(points, cfg.threshold) for v, points in curves.items()}
     paths = _write_files(cfg, results, n_samples, rows, curves, trained)
     summary = format_table(curves, effective, cfg.threshold, trained)
-    (cfg.out / "report.md").write_text(summary + "\n")
+    details = "\n\n".join([format_cells(cells), format_separations(cells),
+                            format_timing(cells)])
+    (cfg.out / "report.md").write_text(f"{summary}\n\n{details}\n")
     return {"results": results, "effective_length": effective, "files": paths,
             "summary": summary}
 
@@ -146,6 +186,8 @@ def _cells(cfg: RecallConfig, samples: list[RecallSample], log: SampleLog) -> di
     cells: dict = {}
     for variant in cfg.variants:
         for s in samples:
+            if s.length not in cfg.lengths_for(variant):
+                continue
             record = log.records.get(sample_key(variant, s))
             if record is not None:
                 cells.setdefault((variant.name, s.task, s.length), {}).setdefault(
@@ -192,7 +234,9 @@ def _write_files(cfg: RecallConfig, results: dict, n_samples: dict, rows: list[d
                  curves: dict, trained: int | None) -> list[str]:
     config = {"model": cfg.engine.get("model") or DEFAULT_MODEL,
               "tasks": cfg.tasks, "lengths": cfg.lengths, "depths": cfg.depths,
-              "rope": [v.name for v in cfg.variants], "samples": cfg.samples, "seed": cfg.seed,
+              "rope": [v.name for v in cfg.variants], "samples": cfg.samples,
+              "samples_at": cfg.samples_at, "variant_lengths": cfg.variant_lengths,
+              "seed": cfg.seed,
               "haystack": cfg.haystack_name, "value_kind": cfg.value_kind,
               "threshold": cfg.threshold, "target": cfg.target, "trained_length": trained}
     paths = [write_results(cfg.out, results, config, dict.fromkeys(results, VERSION), n_samples),
@@ -201,7 +245,8 @@ def _write_files(cfg: RecallConfig, results: dict, n_samples: dict, rows: list[d
         by_length = curves.get(variant.name, {})
         scores = {(n, d): s for n, by_depth in by_length.items() for d, s in by_depth.items()}
         paths.append(plots.heatmap(cfg.out / f"heatmap_{variant.slug}.png",
-                                   f"recall, RoPE {variant.name}", sorted(cfg.lengths),
+                                   f"recall, RoPE {variant.name}",
+                                   sorted(cfg.lengths_for(variant)),
                                    sorted(cfg.depths), scores))
     series = {v: list(length_scores(by_length).items()) for v, by_length in curves.items()}
     paths.append(plots.lines(cfg.out / "recall_vs_length.png", "recall vs context length",
@@ -223,3 +268,74 @@ def format_table(curves: dict, effective: dict, threshold: float, trained: int |
         lines.append(f"| {variant} | {cells} | {effective[variant] or '< ' + str(lengths[0])} |")
     return "\n".join(lines)
 
+
+
+def _interval_cells(cells: dict) -> dict[tuple[str, str, int], dict[str, float | int]]:
+    """(variant, task or "both", length) -> the main metric's mean, n and Wilson interval,
+    over every depth; "both" pools the tasks' samples."""
+    scores: dict[tuple[str, str, int], list[float]] = {}
+    for (variant, task, length), by_depth in cells.items():
+        values = [r["scores"][MAIN_METRIC] for records in by_depth.values() for r in records]
+        scores.setdefault((variant, task, length), []).extend(values)
+        scores.setdefault((variant, "both", length), []).extend(values)
+    return {key: summarize_cell(values) for key, values in scores.items()}
+
+
+def format_cells(cells: dict) -> str:
+    """One table per task (and both pooled): each cell's score with its 95 % Wilson interval
+    and its count of right answers, so a reader sees what the samples can tell apart."""
+    summaries = _interval_cells(cells)
+    lengths = sorted({n for _, _, n in summaries})
+    variants = list(dict.fromkeys(v for v, _, _ in summaries))
+    out = [f"Per cell: {MAIN_METRIC} (0-100) [95 % Wilson interval] (right / samples), "
+           "over all depths"]
+    for task in sorted({t for _, t, _ in summaries} - {"both"}) + ["both"]:
+        out += ["", f"**{task}**", "", "| RoPE | " + " | ".join(map(str, lengths)) + " |",
+                "|" + "---|" * (len(lengths) + 1)]
+        for variant in variants:
+            row = []
+            for n in lengths:
+                c = summaries.get((variant, task, n))
+                row.append("-" if c is None else
+                           f"{100 * c['mean']:.0f} [{100 * c['ci_low']:.0f}, "
+                           f"{100 * c['ci_high']:.0f}] ({round(c['mean'] * c['n'])}/{c['n']})")
+            out.append(f"| {variant} | " + " | ".join(row) + " |")
+    return "\n".join(out)
+
+
+def separations(cells: dict) -> list[tuple[str, int, str, str]]:
+    """(task or "both", length, better, worse) for every pair of variants whose 95 % Wilson
+    intervals do not overlap: the only differences the study may state as conclusions."""
+    summaries = _interval_cells(cells)
+    found = []
+    for (a, task, n), ca in summaries.items():
+        for (b, task_b, n_b), cb in summaries.items():
+            if (task_b, n_b) == (task, n) and a != b and ca["ci_low"] > cb["ci_high"]:
+                found.append((task, n, a, b))
+    return sorted(found, key=lambda f: (f[0] != "both", f[0], f[1], f[2], f[3]))
+
+
+def format_separations(cells: dict) -> str:
+    found = separations(cells)
+    lines = ["Separated (95 % Wilson intervals do not overlap; nothing else is a conclusion):",
+             ""]
+    lines += [f"- {task}, {n}: {better} > {worse}" for task, n, better, worse in found]
+    return "\n".join(lines if found else lines + ["- none"])
+
+
+def format_timing(cells: dict) -> str:
+    """Per length: samples, their mean time (logged per sample since `seconds` was recorded),
+    the total, and the machines that answered them."""
+    by_length: dict[int, list[dict]] = {}
+    for (_, _, length), by_depth in cells.items():
+        by_length.setdefault(length, []).extend(r for rs in by_depth.values() for r in rs)
+    lines = ["| length | samples | timed | mean s / sample | total s (timed) |",
+             "|---|---|---|---|---|"]
+    machines: set[str] = set()
+    for length, records in sorted(by_length.items()):
+        timed = [r["seconds"] for r in records if "seconds" in r]
+        machines |= {r["machine"] for r in records if "machine" in r}
+        mean = f"{sum(timed) / len(timed):.1f}" if timed else "-"
+        lines.append(f"| {length} | {len(records)} | {len(timed)} | {mean} | {sum(timed):.0f} |")
+    lines += ["", "Machines: " + ("; ".join(sorted(machines)) or "not recorded")]
+    return "Time per sample (time since the previous sample finished):\n\n" + "\n".join(lines)

@@ -16,8 +16,12 @@ from tests.serving import APP, DEFAULT_APP, serve_locally
 
 USES_SHARED_RAY = "1"  # tests/serving.py: run with the modules of this group
 
+# as the committed study runs (evals/reports/README.md): prefix caching on, so later samples
+# reuse the haystack KV of earlier ones, and a per-length sample count
 RECALL_ARGS = ["eval", "recall", "--tasks", "passkey", "--lengths", "1k,2k", "--depths",
-               "0,50,100", "--samples", "2", "--json"]
+               "0,50,100", "--samples", "2", "--samples-at", "1k=1", "--enable-prefix-caching",
+               "--json"]
+SAMPLES = {1024: 1 * 3, 2048: 2 * 3}  # per length: samples x depths
 RECALL_FILES = ["results.json", "samples.jsonl", "results.csv", "heatmap_none.png",
                 "recall_vs_length.png", "report.md"]
 
@@ -56,7 +60,7 @@ def test_recall_scores_are_the_fractions_of_answers_that_hold_the_pass_key(recal
     assert set(results["results"]) == {"passkey_1024_none", "passkey_2048_none"}
     for length in (1024, 2048):
         cell = [r for r in recall_run if r["length"] == length]
-        assert len(cell) == 3 * 2
+        assert len(cell) == SAMPLES[length]
         hits = []
         for r in cell:
             [target] = r["targets"]
@@ -81,7 +85,7 @@ def hf_greedy(hf_model, prompt_ids: list[int], max_tokens: int) -> list[int]:
 def test_recall_answers_equal_transformers_generate(recall_run, hf_model, real_engine):
     from evals.recall_tasks import build_sample
 
-    assert len(recall_run) == 2 * 3 * 2
+    assert len(recall_run) == sum(SAMPLES.values())
     for r in recall_run:
         sample = build_sample(r["task"], real_engine.tokenizer, r["length"], r["depth"],
                               r["index"], r["seed"])

@@ -29,7 +29,7 @@ from kvserve.bench.baselines import (
 from kvserve.bench.common import greedy_params, make_prompts, run_greedy
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
-from workers.model_executor.cpu_kernels import cpu_features
+from workers.model_executor.cpu_kernels import cpu_summary
 from workers.model_executor.model import Linear
 
 
@@ -196,17 +196,6 @@ def matmul_seconds(model: torch.nn.Module, rows: int, sampled: int, repeats: int
             lm_head(head_in)
         best = min(best, time.perf_counter() - start)
     return best
-
-
-def cpu_summary() -> str:
-    """The CPU's model and the flags that decide its matmul rates."""
-    text = cpu_features()
-    model = next((ln.split(":", 1)[1].strip() for ln in text.splitlines()
-                  if ln.startswith("model name")), "unknown CPU")
-    flags = next((ln.split(":", 1)[1].split() for ln in text.splitlines()
-                  if ln.startswith("flags")), [])
-    wanted = ("avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile", "avx2")
-    return f"{model} [{' '.join(f for f in wanted if f in flags) or 'no AVX-512/AMX'}]"
 
 
 def summarize(r: dict[str, Any]) -> str:

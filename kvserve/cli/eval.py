@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from kvserve.cli.engine_args import add_engine_args, engine_kwargs
-from kvserve.cli.types import floats, token_lengths, words
+from kvserve.cli.types import floats, length_counts, token_lengths, words
 
 
 def add_eval(sub) -> None:
@@ -27,7 +27,8 @@ def _add_common(p: argparse.ArgumentParser, out: str, samples_help: str) -> None
                    help=f"output directory (default {out}); rerunning with it resumes")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     # the in-process engine's model and pool (eval's own default: workers.config)
-    add_engine_args(p, "eval", only=("model", "kv_cache_memory"))
+    add_engine_args(p, "eval", only=("model", "kv_cache_memory", "enable_prefix_caching",
+                                     "max_num_seqs"))
 
 
 def _add_recall(evals) -> None:
@@ -47,7 +48,8 @@ def _add_recall(evals) -> None:
     r.add_argument("--rope", default="none", type=words,
                    help="RoPE variants: none, linear:F, dynamic:F, yarn:F, llama3:F, longrope:F, "
                         "with extra keys as yarn:2,beta_fast=32 (default none; separate with ';' "
-                        "when a variant has extra keys, else ',')")
+                        "when a variant has extra keys, else ','); VARIANT@16k or @12k+16k runs "
+                        "it at those lengths only")
     r.add_argument("--haystack", default="noise",
                    help="noise (the passkey filler), prose (shipped Python reference prose) or "
                         "a path to your own .txt")
@@ -56,6 +58,9 @@ def _add_recall(evals) -> None:
     r.add_argument("--threshold", type=float, default=85.6,
                    help="effective length: the longest length scoring at least this (0-100)")
     _add_common(r, "eval-results/recall", "samples per (length, depth) cell (default 5)")
+    r.add_argument("--samples-at", default={}, type=length_counts, metavar="LEN=N,...",
+                   help="samples per (length, depth) cell at some lengths, overriding "
+                        "--samples there, e.g. 4k=2")
     r.set_defaults(run=_run_recall)
 
 
@@ -79,22 +84,35 @@ def _add_factuality(evals) -> None:
 
 
 def _run_recall(args: argparse.Namespace) -> int:
-    from evals.recall import RecallConfig, run_recall
+    from evals.recall import run_recall
+
+    report = run_recall(recall_config(args), progress=not args.json)
+    print(json.dumps({k: v for k, v in report.items() if k != "summary"}, indent=2)
+          if args.json else report["summary"])
+    return 0
+
+
+def recall_config(args: argparse.Namespace):
+    """The parsed `kvserve eval recall` arguments as an `evals.recall.RecallConfig`."""
+    from evals.recall import RecallConfig
     from evals.rope_variants import parse_rope_variant
 
     haystack, name = args.haystack, args.haystack
     if haystack not in ("noise", "prose"):
         haystack, name = Path(haystack).read_text(), Path(haystack).name
+    specs = [spec.partition("@")[::2] for spec in args.rope]  # "yarn:4@16k" -> (yarn:4, 16k)
+    variants = [parse_rope_variant(spec) for spec, _ in specs]
+    at = {variant.name: token_lengths(where.replace("+", ","))
+          for (_, where), variant in zip(specs, variants, strict=True) if where}
     cfg = RecallConfig(
         tasks=args.tasks, lengths=args.lengths, depths=args.depths,
-        variants=[parse_rope_variant(v) for v in args.rope], samples=args.samples or 5,
+        variants=variants, samples=args.samples or 5, samples_at=args.samples_at,
+        variant_lengths=at,
         seed=args.seed, haystack=haystack, haystack_name=name, value_kind=args.value_kind,
         threshold=args.threshold, out=args.out, target=args.target,
         engine=engine_kwargs(args))
-    report = run_recall(cfg, progress=not args.json)
-    print(json.dumps({k: v for k, v in report.items() if k != "summary"}, indent=2)
-          if args.json else report["summary"])
-    return 0
+    cfg.check()
+    return cfg
 
 
 def _run_factuality(args: argparse.Namespace) -> int:

@@ -96,3 +96,15 @@ def or_none(convert: Callable[[str], T]) -> Callable[[str], T | None]:
 
     parse.__name__ = getattr(convert, "__name__", "value")
     return parse
+
+
+def length_counts(text: str) -> dict[int, int]:
+    """'4k=2,8k=4' -> {4096: 2, 8192: 4}: a count per token length."""
+    out = {}
+    for word in words(text):
+        length, sep, count = word.partition("=")
+        if not sep or not count.strip().isdigit() or int(count) < 1:
+            raise argparse.ArgumentTypeError(f"{text!r}: give LENGTH=COUNT pairs like 4k=2,8k=4")
+        (n,) = token_lengths(length)
+        out[n] = int(count)
+    return out

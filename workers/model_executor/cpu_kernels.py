@@ -107,6 +107,17 @@ def cpu_features() -> str:
     return "\n".join(sorted({ln for ln in lines if ln.split(":")[0].strip() in wanted}))
 
 
+def cpu_summary() -> str:
+    """The CPU's model and the flags that decide its matmul rates."""
+    text = cpu_features()
+    model = next((ln.split(":", 1)[1].strip() for ln in text.splitlines()
+                  if ln.startswith("model name")), "unknown CPU")
+    flags = next((ln.split(":", 1)[1].split() for ln in text.splitlines()
+                  if ln.startswith("flags")), [])
+    wanted = ("avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile", "avx2")
+    return f"{model} [{' '.join(f for f in wanted if f in flags) or 'no AVX-512/AMX'}]"
+
+
 def clear_stale_lock(build_dir: Path, now: float) -> bool:
     """Remove torch's build lock in `build_dir` if it is older than STALE_LOCK_S."""
     lock = build_dir / "lock"
