@@ -378,7 +378,7 @@ class EngineMachine(RuleBasedStateMachine):
         self._drain()
 
     # -- helpers ------------------------------------------------------------------------------
-    def _step(self) -> None:
+    def _step(self) -> list[RequestOutput]:
         outs = self.engine.step()
         seen: set[str] = set()
         for out in outs:
@@ -387,6 +387,7 @@ class EngineMachine(RuleBasedStateMachine):
             assert out.request_id in self.live, f"output for non-live {out.request_id}"
             assert len(out.token_ids) == 1
             self._record(out)
+        return outs
 
     def _record(self, out: RequestOutput) -> None:
         rid = out.request_id
@@ -413,13 +414,15 @@ class EngineMachine(RuleBasedStateMachine):
                 assert 0 <= t < self.engine.vocab_size
 
     def _drain(self) -> None:
-        idle_steps = 0  # consecutive steps that ended with nothing running: nobody fits the pool
+        # consecutive steps that gave no output and left nothing running: nobody fits the pool
+        # (a step whose requests all finished ends with nothing running, but made progress)
+        idle_steps = 0
         for _ in range(MAX_STEPS_TO_DRAIN):
             if not self.engine.has_unfinished():
                 break
-            self._step()
+            outs = self._step()
             check_block_ledger(self.engine)
-            idle_steps = 0 if self.engine.scheduler.running else idle_steps + 1
+            idle_steps = 0 if outs or self.engine.scheduler.running else idle_steps + 1
             assert idle_steps < 2, (
                 f"stuck: nothing can be scheduled, {self.engine.block_manager.num_free} of "
                 f"{self.engine.block_manager.num_blocks} blocks free, waiting: {list(self.live)}"

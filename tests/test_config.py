@@ -175,7 +175,7 @@ def test_kvserve_up_flags_override_every_setting(monkeypatch):
 
 def test_eval_pool_default_is_the_named_one():
     actions = _engine_actions("eval", "recall")
-    assert set(actions) == {"model", "kv_cache_memory"}
+    assert set(actions) == {"model", "kv_cache_memory", "enable_prefix_caching", "max_num_seqs"}
     assert actions["kv_cache_memory"].default == ENTRY_POINT_DEFAULTS["eval"][
         "kv_cache_memory"].value
     args = build_parser().parse_args(["eval", "factuality"])
