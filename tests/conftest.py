@@ -104,14 +104,26 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     (marked `ray`) or uses the shared cluster, so `pytest -m "not slow"` is the fast suite
     without listing each test: a new test asking for `real_engine` is slow without anyone
     remembering to mark it (tests that load the model another way, e.g. a `kvserve`
-    subprocess, are marked where written). Then run the modules on the shared Ray cluster
-    last, together and in group order, so the cluster starts once and deployments are reused."""
+    subprocess, are marked where written). Then run the Ray tests first, the modules on the
+    shared cluster together and in group order, so it starts once and deployments are reused."""
     for item in items:
-        group = getattr(getattr(item, "module", None), "USES_SHARED_RAY", "")
-        if (group or item.get_closest_marker("ray")
-                or SLOW_FIXTURES & set(getattr(item, "fixturenames", ()))):
+        if _uses_ray(item) or SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
-    items.sort(key=_shared_ray_group)  # stable: file order is kept within each group
+        if _uses_ray(item):
+            # `make test` runs two pytest-xdist workers with --dist loadgroup: every Ray test
+            # goes to one worker, in this order (one Ray cluster at a time, ports and process
+            # checks undisturbed); the other worker runs the rest beside it
+            item.add_marker(pytest.mark.xdist_group("ray"))
+    # stable: file order is kept within each group. Ray tests first, so the one worker that
+    # runs them (the longest unit) starts at once
+    items.sort(key=lambda item: (not _uses_ray(item), _shared_ray_group(item)))
+
+
+def _uses_ray(item: pytest.Item) -> bool:
+    """Starts a Ray head (marked `ray`, or `own_ray_head`) or uses the shared cluster."""
+    return bool(getattr(getattr(item, "module", None), "USES_SHARED_RAY", "")
+                or item.get_closest_marker("ray")
+                or "own_ray_head" in getattr(item, "fixturenames", ()))
 
 
 @pytest.fixture(autouse=True)
