@@ -33,17 +33,16 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
 
-# Two pytest-xdist workers: the Ray tests run in order on one (tests/conftest.py puts them in
-# one xdist group) while the other runs the rest; Ray's waits leave a core idle otherwise.
-TEST_WORKERS ?= 2
+# Two pytest processes side by side (tests/run_split.py): the tests that use Ray (`-m ray`, one
+# cluster at a time, in order) and the rest; alone, Ray's waits leave a core idle.
 test: lint  ## the whole suite: lint, import contracts, tests
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup
+	$(BIN)/python -m tests.run_split
 
 # Quick feedback: engine, scheduler, KV blocks, sampler, kernels, graders, ledgers on tiny
 # models; no Ray, no real-model serving. `slow` is every test that loads the real model or
 # starts Ray (marked in the test, or by tests/conftest.py from the fixtures it uses).
 test-fast: $(STAMP)  ## the fast subset (no Ray, no real model): a few minutes
-	$(BIN)/python -m pytest -m "not slow" -q -n $(TEST_WORKERS)
+	$(BIN)/python -m pytest -m "not slow" -q
 
 proto: $(STAMP)  ## regenerate kvserve/v1/ stubs from proto/
 	$(BIN)/python -m kvserve.protogen

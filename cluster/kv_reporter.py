@@ -16,7 +16,7 @@ from typing import Any
 
 import ray
 
-from cache_manager.index import ReplicaReport, ReplicaUsage
+from cache_manager.index import REPORT_INTERVAL_MS, ReplicaReport, ReplicaUsage
 from cache_manager.manager import ReplicaState
 from workers.core.kv_events import KVEvent
 from workers.engine import LLMEngine
@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 class KVReporter:
     def __init__(self, engine: LLMEngine, manager: Any, replica_id: str,
-                 interval_s: float = 0.05, heartbeat_s: float = 1.0,
+                 interval_s: float = REPORT_INTERVAL_MS / 1000, heartbeat_s: float = 1.0,
                  call_timeout_s: float = 2.0) -> None:
         self.engine = engine
         self.manager = manager

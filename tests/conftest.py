@@ -104,19 +104,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     (marked `ray`) or uses the shared cluster, so `pytest -m "not slow"` is the fast suite
     without listing each test: a new test asking for `real_engine` is slow without anyone
     remembering to mark it (tests that load the model another way, e.g. a `kvserve`
-    subprocess, are marked where written). Then run the Ray tests first, the modules on the
-    shared cluster together and in group order, so it starts once and deployments are reused."""
+    subprocess, are marked where written); every test using Ray is also marked `ray`. Then run
+    the modules on the shared Ray cluster last, together and in group order, so the cluster
+    starts once and deployments are reused."""
     for item in items:
         if _uses_ray(item) or SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
-        if _uses_ray(item):
-            # `make test` runs two pytest-xdist workers with --dist loadgroup: every Ray test
-            # goes to one worker, in this order (one Ray cluster at a time, ports and process
-            # checks undisturbed); the other worker runs the rest beside it
-            item.add_marker(pytest.mark.xdist_group("ray"))
-    # stable: file order is kept within each group. Ray tests first, so the one worker that
-    # runs them (the longest unit) starts at once
-    items.sort(key=lambda item: (not _uses_ray(item), _shared_ray_group(item)))
+        if _uses_ray(item) and not item.get_closest_marker("ray"):
+            # `make test` (tests/run_split.py) runs `-m ray` and `-m "not ray"` side by side
+            item.add_marker(pytest.mark.ray)
+    items.sort(key=_shared_ray_group)  # stable: file order is kept within each group
 
 
 def _uses_ray(item: pytest.Item) -> bool:

@@ -173,6 +173,23 @@ def test_kvserve_up_flags_override_every_setting(monkeypatch):
     assert set(actions) == set(NAMES) and all(a.default is None for a in actions.values())
 
 
+def test_kvserve_up_none_resets_a_config_files_value_and_an_absent_flag_keeps_it(
+        monkeypatch, tmp_path):
+    import kvserve.cli.launch
+    from kvserve.cli import main
+
+    seen: dict[str, Any] = {}
+    monkeypatch.setattr(kvserve.cli.launch, "serve_until_interrupted",
+                        lambda path, overrides, port: seen.update(
+                            config=kvserve.cli.launch.load_config(path, overrides)) or 0)
+    path = tmp_path / "app.yaml"
+    path.write_text("block_size: 32\nmax_model_len: 2048\n")
+    assert main(["up", "--config", str(path)]) == 0
+    assert (seen["config"].block_size, seen["config"].max_model_len) == (32, 2048)
+    assert main(["up", "--config", str(path), "--block-size", "none"]) == 0
+    assert (seen["config"].block_size, seen["config"].max_model_len) == (None, 2048)
+
+
 def test_eval_pool_default_is_the_named_one():
     actions = _engine_actions("eval", "recall")
     assert set(actions) == {"model", "kv_cache_memory", "enable_prefix_caching", "max_num_seqs"}

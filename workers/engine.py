@@ -8,7 +8,9 @@ detokenizes (stop strings need text) and builds outputs.
 Everything above this module (the async engine, the cluster's service, KV reporter, metrics and
 status) reads the engine through its public methods and frozen snapshots (`load`,
 `scheduler_stats`, `kv_stats`, `info`, `request_blocks`, `cached_block_hashes`), never through
-the scheduler or the block manager, so those can change without touching the cluster.
+the scheduler or the block manager, so those can change without touching the cluster. Profilers
+and benchmarks watch steps through `observe_steps` (a `StepRecord` per step: batch and phase
+times) instead of wrapping the engine's parts.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import json
 import secrets
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, NamedTuple
@@ -36,6 +38,7 @@ from workers.core.outputs import (
     KVCacheStats,
     RequestOutput,
     SchedulerStats,
+    StepRecord,
     TokenLogprobs,
     Usage,
 )
@@ -132,6 +135,8 @@ class LLMEngine:
             num_blocks, block_size, enable_caching=config.enable_prefix_caching,
             host=host, events=self.kv_events)
         self.swap_seconds = 0.0  # time spent in KV copies between device and host
+        self.num_steps = 0
+        self._step_observers: list[tuple[Callable[[StepRecord], None], bool]] = []
         self.prefill_rate = PrefillRate(config.max_num_batched_tokens)
         self.eos_token_ids = _eos_ids(ckpt)
         self.scheduler = Scheduler(
@@ -310,15 +315,21 @@ class LLMEngine:
 
     # -- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        clock = _PhaseClock(self.device, any(sync for _, sync in self._step_observers))
         budget = self.prefill_rate.token_budget(self.scheduler.num_decoding(),
                                                 self.config.itl_target_ms)
         scheduled = self.scheduler.schedule(budget)
+        schedule_s = clock.lap()
         self._run_copies()
+        copy_s = clock.lap()
         if not scheduled.chunks:
             return []
         start = time.perf_counter()
-        logits, sampling = self.runner.execute(scheduled.chunks)
-        seqs = [c.seq for c in sampling]
+        inp = self.runner.prepare(scheduled.chunks)
+        prepare_s = clock.lap()
+        logits = self.runner.forward(inp)
+        forward_s = clock.lap()
+        seqs = [c.seq for c in inp.sampling]
         tokens, logprobs = sample(logits, seqs)
         self.prefill_rate.observe(scheduled.num_tokens, time.perf_counter() - start, budget)
         # only once nothing above can fail: text first (stop strings), then the scheduler
@@ -326,9 +337,34 @@ class LLMEngine:
                                                                              strict=True)]
         hits = {s.request_id for s, text in zip(seqs, texts, strict=True) if text is None}
         reasons = self.scheduler.update_from_output(scheduled, seqs, tokens, hits)
-        return [self._output(s, t, lp, text, reason)
-                for s, t, lp, text, reason in zip(seqs, tokens, logprobs, texts, reasons,
-                                                  strict=True)]
+        outputs = [self._output(s, t, lp, text, reason)
+                   for s, t, lp, text, reason in zip(seqs, tokens, logprobs, texts, reasons,
+                                                     strict=True)]
+        if self._step_observers:
+            self._report_step(clock, scheduled.chunks, len(seqs),
+                              (schedule_s, copy_s, prepare_s, forward_s, clock.lap()))
+        self.num_steps += 1
+        return outputs
+
+    def observe_steps(self, observer: Callable[[StepRecord], None],
+                      synchronize: bool = False) -> Callable[[], None]:
+        """Call `observer` with a `StepRecord` after every step that computes something, until
+        the returned function is called. `synchronize` waits for the device at each phase's
+        end (on a GPU the phases are asynchronous otherwise): exact phases, a slower step.
+        Profilers and timelines use this instead of wrapping the engine's parts."""
+        entry = (observer, synchronize)
+        self._step_observers.append(entry)
+        return lambda: self._step_observers.remove(entry)
+
+    def _report_step(self, clock: _PhaseClock, chunks: list, num_sampled: int,
+                     phases: tuple[float, float, float, float, float]) -> None:
+        decodes = sum(c.num_tokens == 1 and c.start > 0 for c in chunks)
+        tokens = sum(c.num_tokens for c in chunks)
+        record = StepRecord(
+            self.num_steps, clock.started, tokens, tokens - decodes, decodes, num_sampled,
+            tuple(c.seq.request_id for c in chunks), *phases)
+        for observer, _ in list(self._step_observers):
+            observer(record)
 
     def run_until_done(self) -> Iterator[RequestOutput]:
         """Step until no request is left, yielding every output as it comes: the one
@@ -399,6 +435,22 @@ def _as_params(params: SamplingParams | dict[str, Any] | None) -> SamplingParams
     if not isinstance(params, SamplingParams):
         raise InvalidRequestError("params", f"must be SamplingParams or a dict, not {params!r}")
     return params
+
+
+class _PhaseClock:
+    """Laps of one step's phases; with `synchronize`, each lap first waits for the device."""
+
+    def __init__(self, device: torch.device, synchronize: bool) -> None:
+        self.sync = synchronize and device.type == "cuda"
+        self.device = device
+        self.started = self.last = time.perf_counter()
+
+    def lap(self) -> float:
+        if self.sync:
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        seconds, self.last = now - self.last, now
+        return seconds
 
 
 def _salt(tenant: str, rope_key: str) -> str:

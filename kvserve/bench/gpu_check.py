@@ -545,48 +545,32 @@ def step_breakdown(engine: Any, requests: int, prompt_len: int, steps: int = 5) 
     preparation (metadata, one host->device copy), the model's forward and the rest (sampling,
     detokenizing, bookkeeping). Each part is synchronized, which adds a little to the total."""
     from kvserve.bench.common import greedy_params, make_prompts
+    from workers.core.outputs import StepRecord
 
-    dev = engine.device
-    timings: dict[str, float] = {"schedule": 0.0, "prepare": 0.0, "execute": 0.0}
-
-    def timed(key: str, fn: Callable) -> Callable:
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            _sync(dev)
-            t = time.perf_counter()
-            result = fn(*args, **kwargs)
-            _sync(dev)
-            timings[key] += time.perf_counter() - t
-            return result
-        return wrapper
-
+    records: list[StepRecord] = []
     params = greedy_params(steps + 64)
     ids = [engine.add_request(prompt_token_ids=p, params=params)
            for p in make_prompts(engine.vocab_size, requests, prompt_len, seed=3)]
-    while len(engine.scheduler.waiting) or any(
-            s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running):
+    while (stats := engine.scheduler_stats()).num_waiting or stats.num_decoding < requests:
         engine.step()  # until every sequence decodes
     engine.step()
-    engine.scheduler.schedule = timed("schedule", engine.scheduler.schedule)
-    engine.runner.prepare = timed("prepare", engine.runner.prepare)
-    engine.runner.execute = timed("execute", engine.runner.execute)
+    stop = engine.observe_steps(records.append, synchronize=True)
     try:
-        total = 0.0
         for _ in range(steps):
-            _sync(dev)
-            t = time.perf_counter()
             engine.step()
-            _sync(dev)
-            total += time.perf_counter() - t
     finally:
-        del engine.scheduler.schedule, engine.runner.prepare, engine.runner.execute
+        stop()
         for rid in ids:
             engine.abort(rid)
+    timings = {"schedule": sum(r.schedule_s + r.copy_s for r in records),
+               "prepare": sum(r.prepare_s for r in records),
+               "forward": sum(r.forward_s for r in records),
+               "rest": sum(r.sample_s for r in records)}
+    total = sum(r.seconds for r in records)
     ms = {k: v * 1000 / steps for k, v in timings.items()}
-    model_ms = ms["execute"] - ms["prepare"]
     return {"sequences": requests, "steps": steps, "step_ms": total * 1000 / steps,
             "schedule_ms": ms["schedule"], "prepare_ms": ms["prepare"],
-            "model_forward_ms": model_ms,
-            "sample_and_rest_ms": total * 1000 / steps - ms["schedule"] - ms["execute"]}
+            "model_forward_ms": ms["forward"], "sample_and_rest_ms": ms["rest"]}
 
 
 def _sync(device: torch.device) -> None:

@@ -160,20 +160,13 @@ def throughput_and_matmul_share(
     rest of the step (attention, norms, RoPE, sampling, scheduling, Python) is 1 - share: what
     reduced precision does not shrink."""
     shapes: list[tuple[int, int]] = []
-    prepare = engine.runner.prepare
-
-    def recording(chunks):
-        inp = prepare(chunks)
-        shapes.append((inp.input_ids.shape[0], inp.logits_rows.shape[0]))
-        return inp
-
-    engine.runner.prepare = recording
+    stop = engine.observe_steps(lambda step: shapes.append((step.num_tokens, step.num_sampled)))
     try:
         start = time.perf_counter()
         tok_s = kvserve_throughput(engine, prompts, output_len, progress)
         seconds = time.perf_counter() - start
     finally:
-        del engine.runner.prepare  # the bound method again
+        stop()
     timed = {shape: matmul_seconds(engine.model, *shape) for shape in set(shapes)}
     return tok_s, min(1.0, sum(timed[s] for s in shapes) / seconds)
 

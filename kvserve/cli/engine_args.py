@@ -15,7 +15,7 @@ import sys
 from collections.abc import Collection
 from typing import Any
 
-from kvserve.cli.types import json_object, memory_size, or_none
+from kvserve.cli.types import RESET, json_object, memory_size, or_none
 from workers.config import (
     EngineConfig,
     EngineSetting,
@@ -39,7 +39,8 @@ def add_engine_args(parser: argparse.ArgumentParser, entry_point: str | None = N
 
     `entry_point`: whose defaults (workers.config.ENTRY_POINT_DEFAULTS; None: the in-process
     engine's). `overrides`: every flag defaults to None, so only the flags given override a
-    config file (`kvserve up --config`). `only`: just these settings.
+    config file (`kvserve up --config`), and the word none gives `RESET` (set it to None).
+    `only`: just these settings.
     """
     group = parser.add_argument_group(
         "engine", "engine settings (workers.config.EngineConfig); an optional one also takes "
@@ -60,7 +61,7 @@ def add_engine_args(parser: argparse.ArgumentParser, entry_point: str | None = N
         convert: Any = (memory_size if spec.info.memory else json_object
                         if spec.base_type is dict else spec.base_type)
         if spec.optional and convert is not str:
-            convert = or_none(convert)
+            convert = or_none(convert, RESET if overrides else None)
         group.add_argument(*flag_names(spec), type=convert, choices=spec.info.choices,
                            metavar=_metavar(spec), **kwargs)
 

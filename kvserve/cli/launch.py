@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cluster.app import GRPC_SERVICER_FUNCTIONS, AppConfig, build_app
+from kvserve.cli.types import RESET
 from kvserve.process import sigterm_as_interrupt
 from workers.model_executor.loader import DEFAULT_MODEL
 
@@ -26,7 +27,8 @@ def load_config(path: str | None, overrides: dict[str, Any]) -> AppConfig:
         values = yaml.safe_load(Path(path).read_text()) or {}
         if "applications" in values:  # a Serve config (infra/serve/*.yaml): its app's args
             values = values["applications"][0].get("args") or {}
-    values |= {k: v for k, v in overrides.items() if v is not None}
+    # None: the flag was not given; RESET: it was given as `none`
+    values |= {k: None if v is RESET else v for k, v in overrides.items() if v is not None}
     return AppConfig.model_validate(values)
 
 

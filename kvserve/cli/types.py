@@ -83,11 +83,23 @@ def json_object(text: str) -> dict[str, Any]:
     return value
 
 
-def or_none(convert: Callable[[str], T]) -> Callable[[str], T | None]:
-    """`convert`, but the word 'none' gives None (a setting whose None means "off" or "auto")."""
+class _Reset:
+    """The word `none` given as an override (`kvserve up --config f.yaml --block-size none`):
+    set the setting to None, where a plain None means "not given, keep the file's value"."""
+
+    def __repr__(self) -> str:
+        return "none"
+
+
+RESET: Any = _Reset()
+
+
+def or_none(convert: Callable[[str], T], none: Any = None) -> Callable[[str], T | None]:
+    """`convert`, but the word 'none' gives `none`: None (a setting whose None means "off" or
+    "auto"), or `RESET` for an override that must be told apart from a flag not given."""
     def parse(text: str) -> T | None:
         if text.strip().lower() == "none":
-            return None
+            return none
         try:
             return convert(text)
         except ValueError:  # int('x'): argparse would say only "invalid parse value"

@@ -54,9 +54,14 @@ class ModelRunner:
     def execute(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, list[ScheduledChunk]]:
         """Compute every chunk; logits [sampling chunks, vocab] for those that reach their end."""
         inp = self.prepare(chunks)
+        return self.forward(inp), inp.sampling
+
+    @torch.inference_mode()
+    def forward(self, inp: ModelInput) -> torch.Tensor:
+        """The model over a prepared step: logits [sampling chunks, vocab] (`inp.sampling`)."""
         cos, sin = self.rope.lookup(inp.positions, inp.rope_spans)
         hidden = self.model(inp.input_ids, cos, sin, self.kv_cache, inp.meta, self.backend)
-        return self.model.compute_logits(hidden[inp.logits_rows]), inp.sampling
+        return self.model.compute_logits(hidden[inp.logits_rows])
 
     def prepare(self, chunks: list[ScheduledChunk]) -> ModelInput:
         """The step's tensors, all from one host->device copy (`attention.metadata.build`)."""
