@@ -33,10 +33,8 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
 
-# Two pytest processes side by side (tests/run_split.py): the tests that use Ray (`-m ray`, one
-# cluster at a time, in order) and the rest; alone, Ray's waits leave a core idle.
 test: lint  ## the whole suite: lint, import contracts, tests
-	$(BIN)/python -m tests.run_split
+	$(BIN)/python -m pytest
 
 # Quick feedback: engine, scheduler, KV blocks, sampler, kernels, graders, ledgers on tiny
 # models; no Ray, no real-model serving. `slow` is every test that loads the real model or

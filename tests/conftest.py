@@ -111,8 +111,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if _uses_ray(item) or SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
         if _uses_ray(item) and not item.get_closest_marker("ray"):
-            # `make test` (tests/run_split.py) runs `-m ray` and `-m "not ray"` side by side
-            item.add_marker(pytest.mark.ray)
+            item.add_marker(pytest.mark.ray)  # so `-m "not ray"` leaves out every Ray test
     items.sort(key=_shared_ray_group)  # stable: file order is kept within each group
 
 
