@@ -21,6 +21,7 @@ from typing import Any
 from tqdm import tqdm
 
 from evals import plots
+from evals.crosscheck import format_crosscheck, run_crosscheck
 from evals.generation import GenRequest, make_generator
 from evals.recall_tasks import RecallSample, build_sample
 from evals.results import SampleLog, metric_entry, write_csv, write_results
@@ -42,6 +43,7 @@ class RecallConfig:
     samples: int  # per (length, depth) cell
     samples_at: dict[int, int] = field(default_factory=dict)  # length -> samples, overriding
     variant_lengths: dict[str, list[int]] = field(default_factory=dict)  # name -> its lengths
+    crosscheck: tuple[int, int] | None = None  # (samples per variant, length): vs transformers
     seed: int = 0
     haystack: str = "noise"  # noise | prose | the text of a user's file
     haystack_name: str = "noise"
@@ -59,6 +61,9 @@ class RecallConfig:
         return self.variant_lengths.get(variant.name, self.lengths)
 
     def check(self) -> None:
+        if self.crosscheck and self.crosscheck[1] not in self.lengths:
+            raise ValueError(f"--crosscheck ...@{self.crosscheck[1]}: that length must be among "
+                             "--lengths")
         for name, lengths in self.variant_lengths.items():
             if not set(lengths) <= set(self.lengths):
                 raise ValueError(f"--rope {name}@...: its lengths must be among --lengths")
@@ -91,7 +96,12 @@ def run_recall(cfg: RecallConfig, progress: bool = True) -> dict[str, Any]:
                    and not log.has(sample_key(variant, s))]
         if pending:
             _answer(cfg, variant, pending, log, progress)
-    return report(cfg, samples, log, trained_length(cfg))
+    checks: list[dict[str, Any]] = []
+    if cfg.crosscheck:
+        count, length = cfg.crosscheck
+        checks = run_crosscheck(samples, log, cfg.variants, length, count, cfg.out,
+                                cfg.engine.get("model"), sample_key, progress)
+    return report(cfg, samples, log, trained_length(cfg), checks)
 
 
 def _answer(cfg: RecallConfig, variant: RopeVariant, pending: list[RecallSample],
@@ -155,7 +165,7 @@ def trained_length(cfg: RecallConfig) -> int | None:
 
 
 def report(cfg: RecallConfig, samples: list[RecallSample], log: SampleLog,
-           trained: int | None) -> dict[str, Any]:
+           trained: int | None, checks: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     cells = _cells(cfg, samples, log)
     variants = {v.name: v for v in cfg.variants}
     results, n_samples, rows = {}, {}, []
@@ -174,8 +184,10 @@ def report(cfg: RecallConfig, samples: list[RecallSample], log: SampleLog,
     effective = {v: effective_length(points, cfg.threshold) for v, points in curves.items()}
     paths = _write_files(cfg, results, n_samples, rows, curves, trained)
     summary = format_table(curves, effective, cfg.threshold, trained)
-    details = "\n\n".join([format_cells(cells), format_separations(cells),
-                            format_timing(cells)])
+    parts = [format_cells(cells), format_separations(cells), format_timing(cells)]
+    if checks and cfg.crosscheck:
+        parts.append(format_crosscheck(checks, cfg.crosscheck[1]))
+    details = "\n\n".join(parts)
     (cfg.out / "report.md").write_text(f"{summary}\n\n{details}\n")
     return {"results": results, "effective_length": effective, "files": paths,
             "summary": summary}
@@ -236,6 +248,7 @@ def _write_files(cfg: RecallConfig, results: dict, n_samples: dict, rows: list[d
               "tasks": cfg.tasks, "lengths": cfg.lengths, "depths": cfg.depths,
               "rope": [v.name for v in cfg.variants], "samples": cfg.samples,
               "samples_at": cfg.samples_at, "variant_lengths": cfg.variant_lengths,
+              "crosscheck": cfg.crosscheck,
               "seed": cfg.seed,
               "haystack": cfg.haystack_name, "value_kind": cfg.value_kind,
               "threshold": cfg.threshold, "target": cfg.target, "trained_length": trained}

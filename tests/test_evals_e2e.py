@@ -26,15 +26,15 @@ RECALL_FILES = ["results.json", "samples.jsonl", "results.csv", "heatmap_none.pn
                 "recall_vs_length.png", "report.md"]
 
 
-def records(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+def records(out: Path, name: str = "samples.jsonl") -> list[dict]:
+    return [json.loads(line) for line in (out / name).read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")
 def recall_out(tmp_path_factory, model_dir) -> Path:
     out = tmp_path_factory.mktemp("recall")
-    assert main([*RECALL_ARGS, "--out", str(out)]) == 0
-    for name in RECALL_FILES:
+    assert main([*RECALL_ARGS, "--crosscheck", "1@2k", "--out", str(out)]) == 0
+    for name in [*RECALL_FILES, "crosscheck.jsonl"]:
         assert (out / name).stat().st_size > 0, name
     return out
 
@@ -92,6 +92,27 @@ def test_recall_answers_equal_transformers_generate(recall_run, hf_model, real_e
         assert sample.sample_id == r["prompt_hash"]
         ids = real_engine.tokenizer(sample.prompt).input_ids
         assert hf_greedy(hf_model, ids, sample.max_tokens) == r["response_token_ids"], r["key"]
+
+
+def test_the_crosscheck_finds_the_engine_equal_to_transformers_and_a_changed_answer_not(
+        recall_out, recall_run, hf_model, real_engine):
+    from evals.crosscheck import compare
+
+    (check,) = records(recall_out, "crosscheck.jsonl")
+    assert check["equal"] and check["length"] == 2048 and check["depth"] == 50
+    (record,) = [r for r in recall_run if r["key"] == check["key"]]
+    assert check["engine_tokens"] == check["transformers_tokens"] == record["response_token_ids"]
+    assert "1 of 1 answers token-identical" in (recall_out / "report.md").read_text()
+    # negative control: the same prompt against an answer with its second token changed
+    from evals.recall_tasks import build_sample
+
+    sample = build_sample("passkey", real_engine.tokenizer, 2048, 50, 0, 0)
+    changed = dict(record, response_token_ids=[record["response_token_ids"][0], 0,
+                                               *record["response_token_ids"][2:]])
+    ids = real_engine.tokenizer(sample.prompt).input_ids
+    result = compare(hf_model, ids, changed, sample.max_tokens)
+    assert not result["equal"] and result["first_difference"] == 1
+    assert result["reference_top2_gap"] > 1e-4 and not result["near_tie"]
 
 
 def test_recall_over_grpc_answers_exactly_as_in_process(recall_run, tmp_path):

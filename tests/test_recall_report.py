@@ -39,11 +39,21 @@ def test_samples_per_length_and_variants_at_some_lengths_parse_into_the_plan(tmp
 @pytest.mark.parametrize("argv,match", [
     (["--samples-at", "1k"], "LENGTH=COUNT"),
     (["--samples-at", "1k=0"], "LENGTH=COUNT"),
+    (["--crosscheck", "3"], "COUNT@LENGTH"),
+    (["--crosscheck", "0@12k"], "COUNT@LENGTH"),
 ])
 def test_bad_per_length_counts_are_refused_naming_the_flag(argv, match, capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["eval", "recall", *argv])
-    assert "--samples-at" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert argv[0] in err and match in err
+
+
+def test_a_crosscheck_at_a_length_not_run_is_refused(tmp_path):
+    assert _config("--lengths", "1k", "--crosscheck", "3@1k", "--out",
+                   str(tmp_path)).crosscheck == (3, 1024)
+    with pytest.raises(ValueError, match="--crosscheck"):
+        _config("--lengths", "1k", "--crosscheck", "3@2k", "--out", str(tmp_path))
 
 
 def test_a_variant_at_a_length_not_run_is_refused(tmp_path):

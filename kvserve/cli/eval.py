@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from kvserve.cli.engine_args import add_engine_args, engine_kwargs
-from kvserve.cli.types import floats, length_counts, token_lengths, words
+from kvserve.cli.types import count_at_length, floats, length_counts, token_lengths, words
 
 
 def add_eval(sub) -> None:
@@ -58,6 +58,10 @@ def _add_recall(evals) -> None:
     r.add_argument("--threshold", type=float, default=85.6,
                    help="effective length: the longest length scoring at least this (0-100)")
     _add_common(r, "eval-results/recall", "samples per (length, depth) cell (default 5)")
+    r.add_argument("--crosscheck", default=None, type=count_at_length, metavar="N@LEN",
+                   help="after answering, run transformers' generate() on N answered samples "
+                        "of each variant at length LEN and compare tokens (e.g. 3@12k); the "
+                        "report states how many are identical")
     r.add_argument("--samples-at", default={}, type=length_counts, metavar="LEN=N,...",
                    help="samples per (length, depth) cell at some lengths, overriding "
                         "--samples there, e.g. 4k=2")
@@ -107,7 +111,7 @@ def recall_config(args: argparse.Namespace):
     cfg = RecallConfig(
         tasks=args.tasks, lengths=args.lengths, depths=args.depths,
         variants=variants, samples=args.samples or 5, samples_at=args.samples_at,
-        variant_lengths=at,
+        variant_lengths=at, crosscheck=args.crosscheck,
         seed=args.seed, haystack=haystack, haystack_name=name, value_kind=args.value_kind,
         threshold=args.threshold, out=args.out, target=args.target,
         engine=engine_kwargs(args))

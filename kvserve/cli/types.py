@@ -120,3 +120,12 @@ def length_counts(text: str) -> dict[int, int]:
         (n,) = token_lengths(length)
         out[n] = int(count)
     return out
+
+
+def count_at_length(text: str) -> tuple[int, int]:
+    """'3@12k' -> (3, 12288): a count of samples at one token length."""
+    count, sep, length = text.partition("@")
+    if not sep or not count.strip().isdigit() or int(count) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give COUNT@LENGTH like 3@12k")
+    (n,) = token_lengths(length)
+    return int(count), n
