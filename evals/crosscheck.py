@@ -38,7 +38,9 @@ def pick(samples: list[RecallSample], log: SampleLog, variant: RopeVariant, leng
 
 def run_crosscheck(samples: list[RecallSample], log: SampleLog, variants: list[RopeVariant],
                    length: int, count: int, out: Path, model: str | None, key: Any,
-                   progress: bool = True) -> list[dict[str, Any]]:
+                   progress: bool = True, check: bool = True) -> list[dict[str, Any]]:
+    """Check what is missing (unless `check` is False), then return every check of the picked
+    samples that crosscheck.jsonl holds."""
     import torch
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM
@@ -48,7 +50,7 @@ def run_crosscheck(samples: list[RecallSample], log: SampleLog, variants: list[R
     path = out / "crosscheck.jsonl"
     done = CheckLog(path)
     todo = [(v, s) for v in variants for s in pick(samples, log, v, length, count, key)
-            if not done.has(key(v, s))]
+            if check and not done.has(key(v, s))]
     if todo:
         model_dir = resolve_model_dir(model)
         tokenizer = load_tokenizer(model)

@@ -44,6 +44,7 @@ class RecallConfig:
     samples_at: dict[int, int] = field(default_factory=dict)  # length -> samples, overriding
     variant_lengths: dict[str, list[int]] = field(default_factory=dict)  # name -> its lengths
     crosscheck: tuple[int, int] | None = None  # (samples per variant, length): vs transformers
+    report_only: bool = False  # report what samples.jsonl holds; answer and check nothing
     seed: int = 0
     haystack: str = "noise"  # noise | prose | the text of a user's file
     haystack_name: str = "noise"
@@ -91,7 +92,7 @@ def run_recall(cfg: RecallConfig, progress: bool = True) -> dict[str, Any]:
     tokenizer = load_tokenizer(cfg.engine.get("model"))
     samples = build_all(cfg, tokenizer)
     log = SampleLog(cfg.out / "samples.jsonl")
-    for variant in cfg.variants:
+    for variant in [] if cfg.report_only else cfg.variants:
         pending = [s for s in samples if s.length in cfg.lengths_for(variant)
                    and not log.has(sample_key(variant, s))]
         if pending:
@@ -100,7 +101,8 @@ def run_recall(cfg: RecallConfig, progress: bool = True) -> dict[str, Any]:
     if cfg.crosscheck:
         count, length = cfg.crosscheck
         checks = run_crosscheck(samples, log, cfg.variants, length, count, cfg.out,
-                                cfg.engine.get("model"), sample_key, progress)
+                                cfg.engine.get("model"), sample_key, progress,
+                                check=not cfg.report_only)
     return report(cfg, samples, log, trained_length(cfg), checks)
 
 
@@ -176,7 +178,7 @@ def report(cfg: RecallConfig, samples: list[RecallSample], log: SampleLog,
         summaries = {m: summarize_cell([s[m] for s in scores]) for m in TASK_METRICS[task]}
         results[name] = metric_entry({m: v["mean"] for m, v in summaries.items()},
                                      {m: v["stderr"] for m, v in summaries.items()})
-        n_samples[name] = {"original": len(by_depth) * cfg.samples_for(length),
+        n_samples[name] = {"original": len(cfg.depths) * cfg.samples_for(length),  # planned
                            "effective": len(scores)}
         rows += [_csv_row(variant, task, length, depth, records)
                  for depth, records in by_depth.items()]

@@ -95,3 +95,32 @@ def test_the_cell_table_shows_counts_and_intervals_and_the_time_table_sums():
     assert "| none | 90 [60, 98] (9/10) |" in table  # both tasks pooled
     timing = format_timing(cells)
     assert "| 4096 | 10 | 10 | 2.0 | 20 |" in timing and "cpu X" in timing
+
+
+def test_report_only_reports_the_logged_samples_and_answers_nothing(tmp_path, monkeypatch):
+    import json
+
+    import evals.recall
+    from evals.recall import run_recall, sample_key
+
+    def no_engine(*args, **kwargs):
+        raise AssertionError("report-only must not load a model")
+
+    monkeypatch.setattr(evals.recall, "make_generator", no_engine)
+    argv = ("--tasks", "passkey", "--lengths", "1k", "--depths", "0,50", "--samples", "1",
+            "--out", str(tmp_path))
+    cfg = _config(*argv, "--report-only")
+    logged = build_all(cfg, load_tokenizer(None))[1]  # depth 50 answered, depth 0 not yet
+    (variant,) = cfg.variants
+    record = {"key": sample_key(variant, logged), "variant": "none", "task": "passkey",
+              "length": 1024, "depth": 50.0, "index": 0, "response": " 1",
+              "response_token_ids": [1], "scores": {MAIN_METRIC: 1.0, "string_match_part": 1.0,
+                                                    "passkey_match": 1.0}}
+    (tmp_path / "samples.jsonl").write_text(json.dumps(record) + "\n")
+    result = run_recall(cfg, progress=False)
+    assert "(1/1)" in (tmp_path / "report.md").read_text()
+    entry = json.loads((tmp_path / "results.json").read_text())["n-samples"]
+    assert entry["passkey_1024_none"] == {"original": 2, "effective": 1}
+    assert result["results"]["passkey_1024_none"]
+    with pytest.raises(AssertionError, match="report-only"):  # control: without the flag
+        run_recall(_config(*argv), progress=False)

@@ -62,6 +62,9 @@ def _add_recall(evals) -> None:
                    help="after answering, run transformers' generate() on N answered samples "
                         "of each variant at length LEN and compare tokens (e.g. 3@12k); the "
                         "report states how many are identical")
+    r.add_argument("--report-only", action="store_true",
+                   help="write the report from the samples already in --out, answering nothing "
+                        "(a study in progress)")
     r.add_argument("--samples-at", default={}, type=length_counts, metavar="LEN=N,...",
                    help="samples per (length, depth) cell at some lengths, overriding "
                         "--samples there, e.g. 4k=2")
@@ -111,7 +114,7 @@ def recall_config(args: argparse.Namespace):
     cfg = RecallConfig(
         tasks=args.tasks, lengths=args.lengths, depths=args.depths,
         variants=variants, samples=args.samples or 5, samples_at=args.samples_at,
-        variant_lengths=at, crosscheck=args.crosscheck,
+        variant_lengths=at, crosscheck=args.crosscheck, report_only=args.report_only,
         seed=args.seed, haystack=haystack, haystack_name=name, value_kind=args.value_kind,
         threshold=args.threshold, out=args.out, target=args.target,
         engine=engine_kwargs(args))
