@@ -339,18 +339,25 @@ def format_separations(cells: dict) -> str:
 
 
 def format_timing(cells: dict) -> str:
-    """Per length: samples, their mean time (logged per sample since `seconds` was recorded),
-    the total, and the machines that answered them."""
+    """Per length: samples, their median and mean time (logged per sample since `seconds` was
+    recorded; a run paused or sharing its CPU inflates the mean, hardly the median), the total,
+    and the machines that answered them."""
     by_length: dict[int, list[dict]] = {}
     for (_, _, length), by_depth in cells.items():
         by_length.setdefault(length, []).extend(r for rs in by_depth.values() for r in rs)
-    lines = ["| length | samples | timed | mean s / sample | total s (timed) |",
-             "|---|---|---|---|---|"]
+    lines = ["| length | samples | timed | median s / sample | mean s / sample | total s (timed) |",
+             "|---|---|---|---|---|---|"]
     machines: set[str] = set()
+    untimed = 0
     for length, records in sorted(by_length.items()):
-        timed = [r["seconds"] for r in records if "seconds" in r]
+        timed = sorted(r["seconds"] for r in records if "seconds" in r)
+        untimed += len(records) - len(timed)
         machines |= {r["machine"] for r in records if "machine" in r}
+        median = f"{timed[len(timed) // 2]:.1f}" if timed else "-"
         mean = f"{sum(timed) / len(timed):.1f}" if timed else "-"
-        lines.append(f"| {length} | {len(records)} | {len(timed)} | {mean} | {sum(timed):.0f} |")
-    lines += ["", "Machines: " + ("; ".join(sorted(machines)) or "not recorded")]
+        lines.append(f"| {length} | {len(records)} | {len(timed)} | {median} | {mean} | "
+                     f"{sum(timed):.0f} |")
+    lines += ["", "Machines: " + ("; ".join(sorted(machines)) or "not recorded")
+              + (f" ({untimed} samples answered before time and machine were logged)"
+                 if untimed else "")]
     return "Time per sample (time since the previous sample finished):\n\n" + "\n".join(lines)

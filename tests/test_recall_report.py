@@ -94,7 +94,7 @@ def test_the_cell_table_shows_counts_and_intervals_and_the_time_table_sums():
     assert "| none | 100 [57, 100] (5/5) |" in table  # Wilson 5/5: [0.566, 1]
     assert "| none | 90 [60, 98] (9/10) |" in table  # both tasks pooled
     timing = format_timing(cells)
-    assert "| 4096 | 10 | 10 | 2.0 | 20 |" in timing and "cpu X" in timing
+    assert "| 4096 | 10 | 10 | 2.0 | 2.0 | 20 |" in timing and "cpu X" in timing
 
 
 def test_report_only_reports_the_logged_samples_and_answers_nothing(tmp_path, monkeypatch):
