@@ -48,7 +48,7 @@ def run_crosscheck(samples: list[RecallSample], log: SampleLog, variants: list[R
     from workers.model_executor.loader import load_tokenizer, override_rope, resolve_model_dir
 
     path = out / "crosscheck.jsonl"
-    done = CheckLog(path)
+    done = SampleLog(path)  # the same append-only, resumable log as samples.jsonl
     todo = [(v, s) for v in variants for s in pick(samples, log, v, length, count, key)
             if check and not done.has(key(v, s))]
     if todo:
@@ -95,10 +95,6 @@ def compare(hf: Any, ids: list[int], record: dict[str, Any], max_tokens: int) ->
     return {"engine_tokens": got, "transformers_tokens": want, "equal": first is None,
             "first_difference": first, "reference_top2_gap": gap,
             "near_tie": gap is not None and gap < NEAR_TIE}
-
-
-class CheckLog(SampleLog):
-    """crosscheck.jsonl: the same append-only, resumable log as samples.jsonl."""
 
 
 def format_crosscheck(results: list[dict[str, Any]], length: int) -> str:
