@@ -177,10 +177,11 @@ def test_prompt_logits_match_hf_exactly_enough(case: Case) -> None:
     logits = None
     while logits is None:  # chunked prefill: the last chunk gives the logits
         scheduled = engine.scheduler.schedule()
-        step_logits, sampling = engine.runner.execute(scheduled.chunks)
+        inp = engine.runner.prepare(scheduled.chunks)
+        step_logits = engine.runner.forward(inp)
         for chunk in scheduled.chunks:
             chunk.seq.num_computed_tokens += chunk.num_tokens
-        if sampling:
+        if inp.sampling:
             logits = step_logits[0]
     engine.abort(rid)
     assert logits.shape == ref.logprobs[0].shape

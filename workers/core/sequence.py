@@ -38,7 +38,9 @@ class Sequence:
     finish_reason: FinishReason | None = None
     first_token_time: float | None = None
     num_preemptions: int = 0
-    cache_salt: str = ""  # per tenant: part of every block hash, so tenants never share KV
+    # part of every block hash: the tenant's salt (tenants never share KV), plus what a long
+    # prompt's RoPE rotations depend on (engine: `_salt`)
+    cache_salt: str = ""
     block_hashes: list[bytes] = field(default_factory=list)  # of its full blocks, chained
     num_cached_blocks: int = 0  # leading blocks registered for (or taken from) prefix caching
     num_cached_prompt_tokens: int = 0  # prompt tokens a prefix-cache hit spared, at admission

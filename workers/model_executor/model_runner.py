@@ -51,12 +51,6 @@ class ModelRunner:
         self.copier.copy(plan)
 
     @torch.inference_mode()
-    def execute(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, list[ScheduledChunk]]:
-        """Compute every chunk; logits [sampling chunks, vocab] for those that reach their end."""
-        inp = self.prepare(chunks)
-        return self.forward(inp), inp.sampling
-
-    @torch.inference_mode()
     def forward(self, inp: ModelInput) -> torch.Tensor:
         """The model over a prepared step: logits [sampling chunks, vocab] (`inp.sampling`)."""
         cos, sin = self.rope.lookup(inp.positions, inp.rope_spans)
