@@ -58,9 +58,11 @@ def cpu_kernels():
     return kernels
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def one_torch_thread() -> Iterator[None]:
-    """Tiny models on two shared cores: one intra-op thread is several times faster than two."""
+    """Tiny models on two shared cores: one intra-op thread is several times faster than two.
+    Per test, not per module: a real-model test later in the same module gets both threads
+    back (module scope left the 32-request swap test on one thread, at 2.5x its time)."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

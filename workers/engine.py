@@ -23,7 +23,6 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from types import ModuleType
 from typing import Any, NamedTuple
 
 import torch
@@ -48,7 +47,7 @@ from workers.core.scheduler import Scheduler
 from workers.core.sequence import FinishReason, Sequence
 from workers.errors import InvalidRequestError
 from workers.model_executor.attention import PagedAttention, make_backend, resolve_backend_name
-from workers.model_executor.cpu_kernels import load_cpu_kernels
+from workers.model_executor.cpu_kernels import CpuKernels, load_cpu_kernels
 from workers.model_executor.kv_cache import KVCacheSpec
 from workers.model_executor.loader import (
     DEFAULT_MODEL,
@@ -501,7 +500,7 @@ def _resolve_block_size(block_size: int | None, backend: PagedAttention,
     return block_size
 
 
-def _cpu_kernels(device: torch.device, dtype: torch.dtype) -> ModuleType | None:
+def _cpu_kernels(device: torch.device, dtype: torch.dtype) -> CpuKernels | None:
     """kvserve's C++ kernels where they apply (fp32 and bf16 on a CPU), built at first use.
     fp16 runs torch's ops and oneDNN: CPUs have no fp16 arithmetic worth a kernel of its own."""
     if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
@@ -510,7 +509,7 @@ def _cpu_kernels(device: torch.device, dtype: torch.dtype) -> ModuleType | None:
 
 
 def _build_model(
-    ckpt, device: torch.device, dtype: torch.dtype, cpu_kernels: ModuleType | None
+    ckpt, device: torch.device, dtype: torch.dtype, cpu_kernels: CpuKernels | None
 ) -> CausalLM:
     with torch.device("meta"):
         model = CausalLM(ckpt.config)

@@ -13,12 +13,16 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Callable
-from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
-from workers.model_executor.cpu_kernels import cpu_features, linear_available_for, load_cpu_kernels
+from workers.model_executor.cpu_kernels import (
+    CpuKernels,
+    cpu_features,
+    linear_available_for,
+    load_cpu_kernels,
+)
 from workers.model_executor.loader import cache_root
 from workers.model_executor.model import PACK_ROWS
 
@@ -41,7 +45,7 @@ def seconds_per_call(fn: Callable[[], torch.Tensor], budget_s: float) -> float:
     return min(times)
 
 
-def paths(kernels: ModuleType | None, w: torch.Tensor,
+def paths(kernels: CpuKernels | None, w: torch.Tensor,
           x: torch.Tensor) -> dict[str, Callable[[], torch.Tensor]]:
     """The projections to time, each x [rows, in] -> [rows, out], on the same weight w [out, in]."""
     wb, xb = w.to(torch.bfloat16), x.to(torch.bfloat16)

@@ -12,8 +12,10 @@
   thousand floats with cold caches after a matmul, cost ~25 % of the step on this CPU. In bf16
   (AVX-512 builds) they round where transformers' bf16 ops round, and equal them bit for bit.
 
-They are compiled with the machine's C++ compiler by `torch.utils.cpp_extension` (~40 s, once per
-torch version and CPU type, cached under kvserve's cache directory). Where that fails the engine
+They are compiled with the machine's C++ compiler by `torch.utils.cpp_extension` (~20 s on two
+cores, once per torch version and CPU type, cached under kvserve's cache directory) and registered
+as torch operators (`torch.ops.kvserve.*`, `csrc/bindings.cpp`), not as a pybind11 module, whose
+headers alone took longer to compile than all the kernels. Where that fails the engine
 runs the torch ops instead, with one warning. fp32 results differ from torch's only in the order of
 float sums (vectorized reductions, fused multiply-adds): the greedy exactness suite meets no
 near-tie.
@@ -27,11 +29,16 @@ import platform
 import sys
 import time
 from pathlib import Path
-from types import ModuleType
+from typing import Any
 
 import torch
 
 log = logging.getLogger(__name__)
+
+# What `load_cpu_kernels` returns: the `torch.ops.kvserve` namespace, whose attributes are the
+# operators below (`kernels.linear(x, packed, n, bias)`). torch gives that namespace no public
+# type, so it is named here once.
+CpuKernels = Any
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / name for name in ("bindings.cpp", "paged_decode.cpp", "fused_ops.cpp",
@@ -46,7 +53,7 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
 STALE_LOCK_S = 600
 
 
-def load_cpu_kernels(build_root: Path) -> ModuleType | None:
+def load_cpu_kernels(build_root: Path) -> CpuKernels | None:
     """Build (or reuse) the kernels; None, with a warning, where they cannot be built."""
     from torch.utils.cpp_extension import load
 
@@ -57,16 +64,18 @@ def load_cpu_kernels(build_root: Path) -> ModuleType | None:
         # torch rebuilds when a source or a flag changes, but it does not read headers: the
         # headers' digest goes in as a flag
         header = hashlib.sha256(b"".join(h.read_bytes() for h in HEADERS)).hexdigest()[:16]
-        return load(name="kvserve_cpu_kernels", sources=[str(s) for s in SOURCES],
-                    build_directory=str(build_dir),
-                    extra_cflags=[*CFLAGS, f"-DKVSERVE_KERNELS_H={header}"],
-                    extra_ldflags=["-fopenmp"], verbose=False)
+        if not hasattr(torch.ops.kvserve, "linear_available"):  # once per process
+            load(name="kvserve_cpu_kernels", sources=[str(s) for s in SOURCES],
+                 build_directory=str(build_dir),
+                 extra_cflags=[*CFLAGS, f"-DKVSERVE_KERNELS_H={header}"],
+                 extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+        return torch.ops.kvserve
     except Exception as exc:  # no compiler, no ninja, a read-only cache: torch ops still work
         log.warning("CPU kernels unavailable, running torch ops instead: %s", exc)
         return None
 
 
-def linear_available_for(kernels: ModuleType | None, dtype: torch.dtype) -> bool:
+def linear_available_for(kernels: CpuKernels | None, dtype: torch.dtype) -> bool:
     """Whether `kernels` has a batch-invariant projection for weights and activations of `dtype`:
     fp32 `linear` or bf16 `linear_bf16` (both need AVX-512; other dtypes have none)."""
     if kernels is None:
@@ -78,7 +87,7 @@ def linear_available_for(kernels: ModuleType | None, dtype: torch.dtype) -> bool
     return False
 
 
-def elementwise_available_for(kernels: ModuleType | None, dtype: torch.dtype) -> bool:
+def elementwise_available_for(kernels: CpuKernels | None, dtype: torch.dtype) -> bool:
     """Whether `kernels` runs `rms_norm`, `rotary_` and `silu_and_mul` (so `decode_layer`'s
     elementwise work) in `dtype`: fp32 always, bf16 in AVX-512 builds (those with `linear_bf16`)."""
     if kernels is None:

@@ -8,7 +8,6 @@ transformers' Llama code in the same order and dtype so greedy output matches `g
 from __future__ import annotations
 
 from collections.abc import Callable
-from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -17,7 +16,11 @@ from transformers import PretrainedConfig
 
 from workers.model_executor.attention import AttentionMetadata
 from workers.model_executor.attention.cpu_backend import CPUAttention
-from workers.model_executor.cpu_kernels import elementwise_available_for, linear_available_for
+from workers.model_executor.cpu_kernels import (
+    CpuKernels,
+    elementwise_available_for,
+    linear_available_for,
+)
 from workers.model_executor.rope import rotate
 
 
@@ -77,7 +80,7 @@ class Linear(nn.Linear):
         self.weight = nn.Parameter(packed, requires_grad=False)
         self.use_onednn = True
 
-    def pack_for_kernels(self, kernels: ModuleType) -> None:
+    def pack_for_kernels(self, kernels: CpuKernels) -> None:
         """Swap the weight for panels of `kernels.linear` (fp32) or `kernels.linear_bf16`
         (bf16), as `pack_for_onednn` does."""
         weight = self.weight.detach()
@@ -89,7 +92,7 @@ class Linear(nn.Linear):
 
 
 class RMSNorm(nn.Module):
-    kernels: ModuleType | None = None  # cpu_kernels, in fp32 and bf16 on CPUs
+    kernels: CpuKernels | None = None  # cpu_kernels, in fp32 and bf16 on CPUs
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -106,7 +109,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    kernels: ModuleType | None = None  # cpu_kernels, in fp32 and bf16 on CPUs
+    kernels: CpuKernels | None = None  # cpu_kernels, in fp32 and bf16 on CPUs
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
@@ -146,7 +149,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    kernels: ModuleType | None = None  # cpu_kernels, in fp32 and bf16 on CPUs
+    kernels: CpuKernels | None = None  # cpu_kernels, in fp32 and bf16 on CPUs
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
@@ -187,7 +190,7 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
-    decode_kernels: ModuleType | None = None  # cpu_kernels, for decode-only steps
+    decode_kernels: CpuKernels | None = None  # cpu_kernels, for decode-only steps
     decode_weights: list[list[torch.Tensor]]  # per layer, as `DecoderLayer.decode_weights`
 
     def __init__(self, config: PretrainedConfig) -> None:
@@ -243,7 +246,7 @@ class CausalLM(nn.Module):
             if isinstance(module, Linear) and module.kernel is None:
                 module.pack_for_onednn()
 
-    def use_cpu_kernels(self, kernels: ModuleType) -> None:
+    def use_cpu_kernels(self, kernels: CpuKernels) -> None:
         """CPU only, fp32 and bf16 (bf16 needs an AVX-512 build): norms, RoPE, the MLP
         activation and (with AVX-512) the projections in kvserve's C++ kernels; where the `cpu`
         attention backend covers the shapes, decode-only steps run a layer per call. bf16's

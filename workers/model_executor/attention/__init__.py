@@ -4,14 +4,13 @@
 
 from __future__ import annotations
 
-from types import ModuleType
-
 import torch
 
 from workers.config import ATTENTION_BACKENDS as BACKENDS  # defined once, with the settings
 from workers.model_executor.attention.flash_backend import FlashAttention, default_provider_name
 from workers.model_executor.attention.metadata import AttentionMetadata, PrefillSegment
 from workers.model_executor.attention.torch_backend import PagedAttention, TorchAttention
+from workers.model_executor.cpu_kernels import CpuKernels
 
 
 def resolve_backend_name(name: str, device: torch.device) -> str:
@@ -32,7 +31,7 @@ def resolve_backend_name(name: str, device: torch.device) -> str:
     return name
 
 
-def make_backend(name: str, cpu_kernels: ModuleType | None = None) -> PagedAttention:
+def make_backend(name: str, cpu_kernels: CpuKernels | None = None) -> PagedAttention:
     """The backend `name` resolves to; `cpu` without `cpu_kernels` (cpu_kernels.py, which
     could not be built) is the torch backend."""
     if name == "flash_attn":

@@ -13,12 +13,11 @@ head), keep the torch path.
 
 from __future__ import annotations
 
-from types import ModuleType
-
 import torch
 
 from workers.model_executor.attention.metadata import AttentionMetadata
 from workers.model_executor.attention.torch_backend import TorchAttention
+from workers.model_executor.cpu_kernels import CpuKernels
 
 DTYPES = (torch.float32, torch.bfloat16)
 HEAD_DIMS = (64, 128)
@@ -28,7 +27,7 @@ MAX_GROUP = 16
 class CPUAttention(TorchAttention):
     name = "cpu"
 
-    def __init__(self, kernels: ModuleType) -> None:
+    def __init__(self, kernels: CpuKernels) -> None:
         self.kernels = kernels  # workers.model_executor.cpu_kernels
 
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
