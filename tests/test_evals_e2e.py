@@ -9,19 +9,19 @@ import re
 from pathlib import Path
 
 import pytest
-import torch
 
 from kvserve.cli import main
+from tests.helpers import transformers_greedy_disagreements
 from tests.serving import APP, DEFAULT_APP, serve_locally
 
 USES_SHARED_RAY = "1"  # tests/serving.py: run with the modules of this group
 
 # as the committed study runs (evals/reports/README.md): prefix caching on, so later samples
 # reuse the haystack KV of earlier ones, and a per-length sample count
-RECALL_ARGS = ["eval", "recall", "--tasks", "passkey", "--lengths", "1k,2k", "--depths",
-               "0,50,100", "--samples", "2", "--samples-at", "1k=1", "--enable-prefix-caching",
+RECALL_ARGS = ["eval", "recall", "--tasks", "passkey", "--lengths", "256,512", "--depths",
+               "0,50,100", "--samples", "2", "--samples-at", "256=1", "--enable-prefix-caching",
                "--json"]
-SAMPLES = {1024: 1 * 3, 2048: 2 * 3}  # per length: samples x depths
+SAMPLES = {256: 1 * 3, 512: 2 * 3}  # per length: samples x depths
 RECALL_FILES = ["results.json", "samples.jsonl", "results.csv", "heatmap_none.png",
                 "recall_vs_length.png", "report.md"]
 
@@ -33,7 +33,7 @@ def records(out: Path, name: str = "samples.jsonl") -> list[dict]:
 @pytest.fixture(scope="module")
 def recall_out(tmp_path_factory, model_dir) -> Path:
     out = tmp_path_factory.mktemp("recall")
-    assert main([*RECALL_ARGS, "--crosscheck", "1@2k", "--out", str(out)]) == 0
+    assert main([*RECALL_ARGS, "--crosscheck", "1@512", "--out", str(out)]) == 0
     for name in [*RECALL_FILES, "crosscheck.jsonl"]:
         assert (out / name).stat().st_size > 0, name
     return out
@@ -57,8 +57,8 @@ def test_recall_scores_are_the_fractions_of_answers_that_hold_the_pass_key(recal
     off-by-a-cell or an unweighted aggregate fails)."""
     results = json.loads((recall_out / "results.json").read_text())
     assert set(results) >= {"results", "config", "versions", "n-samples", "date", "git_hash"}
-    assert set(results["results"]) == {"passkey_1024_none", "passkey_2048_none"}
-    for length in (1024, 2048):
+    assert set(results["results"]) == {"passkey_256_none", "passkey_512_none"}
+    for length in SAMPLES:
         cell = [r for r in recall_run if r["length"] == length]
         assert len(cell) == SAMPLES[length]
         hits = []
@@ -74,15 +74,7 @@ def test_recall_scores_are_the_fractions_of_answers_that_hold_the_pass_key(recal
         assert results["n-samples"][f"passkey_{length}_none"]["effective"] == len(cell)
 
 
-def hf_greedy(hf_model, prompt_ids: list[int], max_tokens: int) -> list[int]:
-    with torch.no_grad():
-        out = hf_model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_tokens,
-                                do_sample=False, attention_mask=torch.ones(1, len(prompt_ids),
-                                                                           dtype=torch.long))
-    return out[0, len(prompt_ids):].tolist()
-
-
-def test_recall_answers_equal_transformers_generate(recall_run, hf_model, real_engine):
+def test_recall_answers_equal_transformers_greedy(recall_run, hf_model, real_engine):
     from evals.recall_tasks import build_sample
 
     assert len(recall_run) == sum(SAMPLES.values())
@@ -91,7 +83,8 @@ def test_recall_answers_equal_transformers_generate(recall_run, hf_model, real_e
                               r["index"], r["seed"])
         assert sample.sample_id == r["prompt_hash"]
         ids = real_engine.tokenizer(sample.prompt).input_ids
-        assert hf_greedy(hf_model, ids, sample.max_tokens) == r["response_token_ids"], r["key"]
+        assert transformers_greedy_disagreements(
+            hf_model, ids, r["response_token_ids"], sample.max_tokens) == [], r["key"]
 
 
 def test_the_crosscheck_finds_the_engine_equal_to_transformers_and_a_changed_answer_not(
@@ -99,14 +92,14 @@ def test_the_crosscheck_finds_the_engine_equal_to_transformers_and_a_changed_ans
     from evals.crosscheck import compare
 
     (check,) = records(recall_out, "crosscheck.jsonl")
-    assert check["equal"] and check["length"] == 2048 and check["depth"] == 50
+    assert check["equal"] and check["length"] == 512 and check["depth"] == 50
     (record,) = [r for r in recall_run if r["key"] == check["key"]]
     assert check["engine_tokens"] == check["transformers_tokens"] == record["response_token_ids"]
     assert "1 of 1 answers token-identical" in (recall_out / "report.md").read_text()
     # negative control: the same prompt against an answer with its second token changed
     from evals.recall_tasks import build_sample
 
-    sample = build_sample("passkey", real_engine.tokenizer, 2048, 50, 0, 0)
+    sample = build_sample("passkey", real_engine.tokenizer, 512, 50, 0, 0)
     changed = dict(record, response_token_ids=[record["response_token_ids"][0], 0,
                                                *record["response_token_ids"][2:]])
     ids = real_engine.tokenizer(sample.prompt).input_ids
@@ -129,8 +122,8 @@ def test_rope_overrides_with_target_are_refused_with_a_reason(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("suite,samples", [("closed_book", 12), ("grounded", 4)])
-def test_factuality_answers_equal_transformers_generate(suite, samples, tmp_path, hf_model,
-                                                        real_engine):
+def test_factuality_answers_equal_transformers_greedy(suite, samples, tmp_path, hf_model,
+                                                      real_engine):
     assert main(["eval", "factuality", "--suite", suite, "--samples", str(samples),
                  "--out", str(tmp_path), "--json"]) == 0
     for name in ("results.json", "samples.jsonl", f"results_{suite}.csv",
@@ -142,12 +135,24 @@ def test_factuality_answers_equal_transformers_generate(suite, samples, tmp_path
     dataset = {item.id: item for item in closed_book.load_dataset()}
     got = records(tmp_path)
     assert len(got) == samples
-    for r in got:
+
+    def prompt_ids(r: dict) -> list[int]:
         if suite == "closed_book":
             messages = closed_book.prompt_for(dataset[r["sample_id"]])
         else:
             messages = grounded.prompt_for(grounded.make_table(r["table_seed"]))
-        ids = real_engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                        return_dict=True)["input_ids"]
-        assert hf_greedy(hf_model, list(ids), MAX_TOKENS[suite]) == r["response_token_ids"], \
-            r["key"]
+        return list(real_engine.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, return_dict=True)["input_ids"])
+
+    for r in got:
+        assert transformers_greedy_disagreements(hf_model, prompt_ids(r), r["response_token_ids"],
+                                                 MAX_TOKENS[suite]) == [], r["key"]
+    # negative controls: the longest answer with one token changed, and cut short (no EOS)
+    r = max(got, key=lambda r: len(r["response_token_ids"]))
+    answer = r["response_token_ids"]
+    assert len(answer) > 6
+    changed = [*answer[:5], (answer[5] + 1) % len(real_engine.tokenizer), *answer[6:]]
+    assert transformers_greedy_disagreements(hf_model, prompt_ids(r), changed, MAX_TOKENS[suite]
+                                             )[0].startswith("step 5:")
+    assert "without an EOS" in transformers_greedy_disagreements(
+        hf_model, prompt_ids(r), answer[:3], MAX_TOKENS[suite])[0]

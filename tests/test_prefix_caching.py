@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers import assert_engine_idle, output_ids, solo_ids
+from tests.helpers import assert_engine_idle, output_ids, solo_ids, solo_ids_each
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
 
@@ -33,7 +33,8 @@ def hits(engine: LLMEngine) -> int:
 
 
 def test_shared_prefix_batch_is_token_identical_and_hits(cached_engine, real_engine):
-    expected = [solo_ids(real_engine, messages=chat(q), params=GREEDY) for q in QUESTIONS]
+    expected = solo_ids_each(real_engine, [{"messages": chat(q), "params": GREEDY}
+                                           for q in QUESTIONS])
     assert solo_ids(cached_engine, messages=chat(QUESTIONS[0]), params=GREEDY) == expected[0]
     before = hits(cached_engine)
     outs = cached_engine.generate_all([{"messages": chat(q), "params": GREEDY}

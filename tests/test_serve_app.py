@@ -11,7 +11,7 @@ from pydantic import ValidationError
 
 from cluster.app import AppConfig
 from kvserve.v1 import generation_pb2 as pb
-from tests.helpers import poll, solo_ids
+from tests.helpers import poll, solo_ids_each
 from tests.serving import Served, serve_locally
 
 USES_SHARED_RAY = "2"  # tests/serving.py: run with the modules of this group
@@ -30,10 +30,8 @@ def served() -> Served:
 
 def test_concurrent_streams_equal_the_in_process_engine(served, real_engine):
     prompts = ["The capital of France is", "def add(a, b):", "Once upon a time", "1, 2, 3,"]
-    expected = [
-        solo_ids(real_engine, prompt=p, params={"temperature": 0, "max_tokens": 16})
-        for p in prompts
-    ]
+    expected = solo_ids_each(real_engine, [
+        {"prompt": p, "params": {"temperature": 0, "max_tokens": 16}} for p in prompts])
     with ThreadPoolExecutor(len(prompts)) as pool:
         results = list(pool.map(lambda p: served.stream(p, temperature=0, max_tokens=16), prompts))
     for responses, want in zip(results, expected, strict=True):

@@ -23,7 +23,7 @@ from cache_manager import actor as cache_manager
 from cache_manager.redis_server import start_embedded
 from cluster.cache_check import find_problems
 from kvserve.v1 import generation_pb2 as pb
-from tests.helpers import poll, solo_ids
+from tests.helpers import poll, solo_ids_each
 from tests.serving import TWO_REPLICAS, Served, serve_locally
 from tests.test_serve_replica_kill import _replica_rows, _replica_states
 
@@ -136,7 +136,7 @@ def test_chaos_leaves_an_exact_index_no_leaks_and_no_crossed_outputs(real_engine
     # 48 tokens: a stream lasts long enough that the replica picked as busy is still streaming
     # when the kill lands
     params = {"temperature": 0, "max_tokens": 48, "ignore_eos": True}
-    expected = [solo_ids(real_engine, prompt=p, params=params) for p in prompts]
+    expected = solo_ids_each(real_engine, [{"prompt": p, "params": params} for p in prompts])
     app = {"replicas": 2, "num_cpus_per_replica": 1, "kv_cache_memory": "64MiB",
            "cpu_offload_memory": "32MiB", "redis_url": redis.url, "kv_lease_ttl_s": 3.0}
     try:

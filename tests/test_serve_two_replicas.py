@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.helpers import poll, solo_ids
+from tests.helpers import poll, solo_ids_each
 from tests.prompts import varied_prompts
 from tests.serving import TWO_REPLICAS, serve_locally
 
@@ -21,10 +21,9 @@ def test_two_replicas_serve_16_concurrent_clients_exactly(real_engine):
     tok = real_engine.tokenizer
     texts = [tok.decode(ids) for name, ids in varied_prompts(tok).items() if name != "long_1500"]
     prompts = [f"{texts[i % len(texts)]} ({i})" for i in range(16)]
-    expected = {
-        p: solo_ids(real_engine, prompt=p, params={"temperature": 0, "max_tokens": 12})
-        for p in prompts
-    }
+    expected = dict(zip(prompts, solo_ids_each(real_engine, [
+        {"prompt": p, "params": {"temperature": 0, "max_tokens": 12}} for p in prompts]),
+        strict=True))
     with serve_locally(TWO_REPLICAS, reuse=True) as served:
         before = _finished_per_replica(served)  # the deployment may have served earlier tests
         with ThreadPoolExecutor(16) as pool:

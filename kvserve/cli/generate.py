@@ -51,8 +51,12 @@ def _run_generate(args: argparse.Namespace) -> int:
         "prompt": args.prompt}
     if args.target:
         return _generate_remote(args.target, prompt, params, args.json)
+    config = engine_config(args)
+    from workers.model_executor.loader import resolve_model_dir
+
+    resolve_model_dir(config.model)  # a missing model fails before the engine's imports (~3 s)
     try:
-        result = asyncio.run(_stream(engine_config(args), prompt, params, echo=not args.json))
+        result = asyncio.run(_stream(config, prompt, params, echo=not args.json))
     except InvalidRequestError as exc:
         print(f"kvserve: invalid request: {exc}", file=sys.stderr)
         return 2
