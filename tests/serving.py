@@ -32,6 +32,7 @@ from kvserve.v1 import generation_pb2_grpc as pb_grpc
 
 APP = "kvserve"  # the name kvserve's own clients (CLI, Locust) send as gRPC metadata
 METADATA = (("application", APP),)
+CLUSTER_CPUS = 2  # the session cluster's, this machine's cores
 # The 1-replica app that the tests needing nothing special share (`reuse=True`)
 DEFAULT_APP = {"kv_cache_memory": "512MiB"}
 # The 2-replica app the routing, exactness and kill tests share
@@ -103,7 +104,7 @@ def _start_cluster(env: dict[str, str]) -> _Cluster:
 
     metrics_port, port = free_port(), free_port()
     ray.init(
-        num_cpus=2,
+        num_cpus=CLUSTER_CPUS,
         include_dashboard=False,
         log_to_driver=False,
         _metrics_export_port=metrics_port,
@@ -167,8 +168,13 @@ def serve_locally(app_args: dict[str, Any], *, reuse: bool = False,
     keeps a deployment's request router across a redeploy under the same name, and that
     router still holds the deleted app's cache manager: its first lookup fails and it routes
     on load for a few seconds. Pass `APP` where a kvserve client (which sends "kvserve")
-    calls the app."""
+    calls the app.
+
+    Unless `app_args` says otherwise, the replicas share the cluster's CPUs: one replica gets
+    both (Ray sets a replica's torch threads, OMP_NUM_THREADS, to its CPUs: one thread would
+    make every single-replica test compute at half speed), two get one each."""
     global _cluster, _deploys
+    app_args = {"num_cpus_per_replica": CLUSTER_CPUS / app_args.get("replicas", 1), **app_args}
     env = dict(env or {})
     if _cluster is not None and _cluster.env != env:
         shutdown_cluster()

@@ -57,16 +57,16 @@ def test_loadtest_help_explains_itself():
 
 
 def test_overload_refuses_fast_keeps_the_admitted_and_leaves_nothing_behind(tmp_path):
-    """48 users against a replica that runs 4 and queues 4, for 20 s (a 60 s deadline): the rest
+    """48 users against a replica that runs 4 and queues 4, for 10 s (a 60 s deadline): the rest
     are refused with RESOURCE_EXHAUSTED within a tenth of their deadline, nothing else fails,
     admitted streams complete, and afterwards the replica is idle with no KV in use and serves
-    the next request. (20 s is enough: every user is refused within a second of spawning, and
-    refused again after its backoff.)"""
+    the next request. (10 s is enough: every user is refused within a second of spawning, and
+    refused again after its backoff; the 8 admitted short streams end within a few seconds.)"""
     deadline_s = 60
     app = {"kv_cache_memory": "256MiB", "max_num_seqs": 4, "max_waiting_requests": 4}
     with serve_locally(app, name=APP) as served:  # Locust sends application=kvserve
         done = subprocess.run([*KVSERVE, "loadtest", "--target", served.target, "--users", "48",
-                               "--spawn-rate", "48", "--run-time", "20s", "--workload", "short",
+                               "--spawn-rate", "48", "--run-time", "10s", "--workload", "short",
                                "--timeout", str(deadline_s), "--out", str(tmp_path), "--json"],
                               capture_output=True, text=True, timeout=900)
         assert done.returncode == 0, done.stderr[-3000:]
@@ -117,7 +117,7 @@ def test_without_a_target_it_runs_and_takes_down_its_own_deployment_on_a_new_mac
     local_head.write_state(recorded)
     out = tmp_path / "out"
     done = subprocess.run([*KVSERVE, "loadtest", "--users", "2", "--spawn-rate", "2",
-                           "--run-time", "10s", "--warmup", "2s", "--workload", "short",
+                           "--run-time", "5s", "--warmup", "1s", "--workload", "short",
                            "--out", str(out), "--json"],
                           capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
