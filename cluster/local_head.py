@@ -37,7 +37,7 @@ from typing import Any
 
 from cluster.ray_compat import reload_auth_config, sigterm_handler_kept
 from kvserve.process import cmdline, die_with_parent, pid_alive
-from workers.model_executor.loader import cache_root
+from workers.config import cache_root
 
 STATE_FILE = "up.json"
 TOKEN_FILE = "auth_token"  # in the head's temp dir, mode 0600

@@ -9,15 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from workers.config import EngineConfig
+from workers.config import EngineConfig, cache_root
 from workers.engine import LLMEngine
 from workers.model_executor.cpu_kernels import load_cpu_kernels
-from workers.model_executor.loader import (
-    LoadedCheckpoint,
-    cache_root,
-    load_checkpoint,
-    resolve_model_dir,
-)
+from workers.model_executor.loader import LoadedCheckpoint, load_checkpoint, resolve_model_dir
 from workers.model_executor.tiny import tiny_checkpoint
 
 

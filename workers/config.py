@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import re
 import typing
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, NamedTuple
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: float32 on CPU, bfloat16 on CUDA
@@ -220,3 +222,10 @@ def entry_point_defaults(entry_point: str | None) -> dict[str, Any]:
     if entry_point is not None:
         defaults |= {k: d.value for k, d in ENTRY_POINT_DEFAULTS[entry_point].items()}
     return defaults
+
+
+def cache_root() -> Path:
+    """kvserve's cache directory (KVSERVE_CACHE_DIR, else ~/.cache/kvserve): converted models,
+    built kernels, the state file of `kvserve up --detach`. Here, not in the loader, so that the
+    CLI's state checks need no torch."""
+    return Path(os.environ.get("KVSERVE_CACHE_DIR", Path.home() / ".cache" / "kvserve"))

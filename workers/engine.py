@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from workers.config import DTYPES, EngineConfig
+from workers.config import DTYPES, EngineConfig, cache_root
 from workers.core.block_manager import BlockManager
 from workers.core.detokenizer import IncrementalDetokenizer
 from workers.core.host_block_pool import HostBlockPool
@@ -52,7 +52,6 @@ from workers.model_executor.kv_cache import KVCacheSpec
 from workers.model_executor.loader import (
     DEFAULT_MODEL,
     LoadedCheckpoint,
-    cache_root,
     load_checkpoint,
     with_rope_override,
 )

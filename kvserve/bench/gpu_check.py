@@ -619,8 +619,8 @@ def prepare_cpu_kernels(report: Report) -> dict[str, Any]:
     an empty cache directory): built here, before any section's deadline can interrupt the
     compiler and leave torch's build lock behind for later runs to wait on. On CUDA the engine
     never builds them."""
+    from workers.config import cache_root
     from workers.model_executor.cpu_kernels import load_cpu_kernels
-    from workers.model_executor.loader import cache_root
 
     report.say(f"CPU kernels: building or loading under {cache_root() / 'kernels'}")
     start = time.monotonic()

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cluster.app import GRPC_SERVICER_FUNCTIONS, AppConfig, build_app
+from kvserve.cli.serve import already_up
 from kvserve.cli.types import RESET
 from kvserve.process import sigterm_as_interrupt
 from workers.model_executor.loader import DEFAULT_MODEL
@@ -79,11 +80,7 @@ def start(config: AppConfig, grpc_port: int, fate_share: bool,
     from cluster import local_head
 
     address = os.environ.get("RAY_ADDRESS") or None
-    previous = local_head.read_live_state() if record else None
-    if previous is not None and previous.started_head:
-        print(f"kvserve: already up (Ray head at {previous.address}, gRPC at "
-              f"127.0.0.1:{previous.grpc_port}); stop it first with: kvserve down",
-              file=sys.stderr)
+    if record and already_up(local_head.read_live_state()):
         return None
     if address is None:
         replicas = config.autoscaling.max_replicas if config.autoscaling else config.replicas

@@ -4,8 +4,13 @@ inspect and stop the deployment (status.py)."""
 from __future__ import annotations
 
 import argparse
+import sys
+from typing import TYPE_CHECKING
 
 from kvserve.cli.engine_args import add_engine_args, engine_kwargs
+
+if TYPE_CHECKING:
+    from cluster.local_head import UpState
 
 
 def add_serve_commands(sub) -> None:
@@ -47,10 +52,24 @@ def _run_up(args: argparse.Namespace) -> int:
         "replicas": args.replicas, "num_gpus_per_replica": args.num_gpus_per_replica,
         "redis_url": args.redis_url}
     if args.detach:
+        from cluster import local_head
+
+        if already_up(local_head.read_live_state()):  # before the ~6 s of Ray and engine imports
+            return 1
         from kvserve.cli.launch import deploy_detached
 
         return deploy_detached(args.config, overrides, args.grpc_port)
     return serve_until_interrupted(args.config, overrides, args.grpc_port)
+
+
+def already_up(previous: UpState | None) -> bool:
+    """Whether `kvserve up` already runs a head here (and says so): a second one would start a
+    second head beside it."""
+    if previous is None or not previous.started_head:
+        return False
+    print(f"kvserve: already up (Ray head at {previous.address}, gRPC at "
+          f"127.0.0.1:{previous.grpc_port}); stop it first with: kvserve down", file=sys.stderr)
+    return True
 
 
 _ADDRESS_HELP = ("Ray cluster address (default: RAY_ADDRESS, else the cluster `kvserve up "

@@ -8,7 +8,6 @@ import copy
 import dataclasses
 import fcntl
 import importlib.util
-import os
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ from typing import Any
 
 import torch
 
+from workers.config import cache_root
 from workers.errors import ModelNotFoundError
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -29,10 +29,6 @@ class LoadedCheckpoint:
     config: Any  # transformers PretrainedConfig
     tokenizer: Any  # transformers PreTrainedTokenizerBase
     tensors: dict[str, torch.Tensor]
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("KVSERVE_CACHE_DIR", Path.home() / ".cache" / "kvserve"))
 
 
 def resolve_model_dir(model: str | None) -> Path:
