@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from tests.helpers import assert_engine_idle, solo_ids
+from tests.helpers import assert_engine_idle, solo_ids, solo_ids_each
 from tests.test_prefix_caching import (
     check_cache_ledger,
     drive_random_traffic,
@@ -180,16 +180,18 @@ def test_host_tier_hits_are_token_identical(real_engine, real_checkpoint):
     engine = real_engine_with(real_checkpoint, num_kv_blocks=40, num_host_kv_blocks=80,
                               max_num_seqs=1, enable_prefix_caching=True)
     histories = {0: long_prompt(0), 1: long_prompt(1)}
-    for turn in range(3):
-        for conv, history in histories.items():
-            prompt = f"{history} Question {turn}: what is fact {turn}?"
-            before = engine.kv_stats()
-            got = solo_ids(engine, prompt=prompt, params=GREEDY)
-            assert got == solo_ids(real_engine, prompt=prompt, params=GREEDY), (turn, conv)
-            after = engine.kv_stats()
-            if turn:
-                assert after.blocks_restored > before.blocks_restored  # a host-tier hit
-                assert after.prefix_hit_tokens - before.prefix_hit_tokens >= 300
+    prompts = {(turn, conv): f"{history} Question {turn}: what is fact {turn}?"
+               for turn in range(3) for conv, history in histories.items()}
+    expected = dict(zip(prompts, solo_ids_each(real_engine, [
+        {"prompt": p, "params": GREEDY} for p in prompts.values()]), strict=True))
+    for (turn, conv), prompt in prompts.items():  # in turn order, the two chats alternating
+        before = engine.kv_stats()
+        got = solo_ids(engine, prompt=prompt, params=GREEDY)
+        assert got == expected[turn, conv], (turn, conv)
+        after = engine.kv_stats()
+        if turn:
+            assert after.blocks_restored > before.blocks_restored  # a host-tier hit
+            assert after.prefix_hit_tokens - before.prefix_hit_tokens >= 300
     assert engine.kv_stats().blocks_offloaded > 0
     assert_engine_idle(engine)
 
