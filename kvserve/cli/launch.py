@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cluster.app import GRPC_SERVICER_FUNCTIONS, AppConfig, build_app
-from kvserve.cli.serve import already_up
 from kvserve.cli.types import RESET
 from kvserve.process import sigterm_as_interrupt
 from workers.model_executor.loader import DEFAULT_MODEL
@@ -80,8 +79,6 @@ def start(config: AppConfig, grpc_port: int, fate_share: bool,
     from cluster import local_head
 
     address = os.environ.get("RAY_ADDRESS") or None
-    if record and already_up(local_head.read_live_state()):
-        return None
     if address is None:
         replicas = config.autoscaling.max_replicas if config.autoscaling else config.replicas
         cpus = local_head.num_cpus_for(replicas * config.num_cpus_per_replica)

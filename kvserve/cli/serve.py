@@ -46,19 +46,19 @@ def add_up(sub) -> None:
 
 
 def _run_up(args: argparse.Namespace) -> int:
-    from kvserve.cli.launch import serve_until_interrupted
-
     overrides = engine_kwargs(args) | {
         "replicas": args.replicas, "num_gpus_per_replica": args.num_gpus_per_replica,
         "redis_url": args.redis_url}
-    if args.detach:
-        from cluster import local_head
+    from cluster import local_head
 
-        if already_up(local_head.read_live_state()):  # before the ~6 s of Ray and engine imports
-            return 1
+    if already_up(local_head.read_live_state()):  # before the ~6 s of Ray and engine imports
+        return 1
+    if args.detach:
         from kvserve.cli.launch import deploy_detached
 
         return deploy_detached(args.config, overrides, args.grpc_port)
+    from kvserve.cli.launch import serve_until_interrupted
+
     return serve_until_interrupted(args.config, overrides, args.grpc_port)
 
 
