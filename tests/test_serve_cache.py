@@ -82,13 +82,20 @@ def test_kv_cache_metrics_reach_prometheus_under_memory_pressure():
     from cluster.metrics import KV_CACHE_METRIC_NAMES
     from tests.test_serve_app import _nonzero
 
+    # 19-21 tokens each: one full, cacheable block of prompt; 6 x (prompt + 48) tokens need
+    # 30 blocks of 16 tokens, the 16 MiB pool holds 22, so the batch is swapped out
     prompts = [document(i).split("\n")[0] + f" Now list ten ships from log {i}." for i in range(6)]
+    # 311 tokens, 20 blocks: allocating them evicts all but ~2 of the 22 blocks, so the
+    # prompts' cached blocks are demoted to the host tier whatever order round 1 ended in
+    flush = "\n".join(document(6).split("\n")[:11])
     app = {"replicas": 1, "kv_cache_memory": "16MiB", "cpu_offload_memory": "96MiB"}
     with serve_locally(app) as served:
-        for _ in range(2):  # the second round finds its prompts demoted to the host tier
+        for round_ in range(2):  # the second round finds its prompts on the host tier
             with ThreadPoolExecutor(len(prompts)) as pool:
                 list(pool.map(lambda p: served.stream(p, max_tokens=48, ignore_eos=True),
                               prompts))
+            if round_ == 0:
+                served.stream(flush, max_tokens=1)
         stats = served.handle.kv_stats.remote().result()
         assert stats["blocks_swapped_out"] > 0 and stats["blocks_restored"] > 0, stats
         deadline, missing = time.monotonic() + 30, list(KV_CACHE_METRIC_NAMES)
