@@ -1,9 +1,11 @@
 """The Ray Serve deployment: each replica owns one engine and serves the Generation RPCs.
 
 Ray Serve's gRPC proxy calls the methods named after the RPCs with the request message and a
-`grpc_context`; `Generate` is an async generator, so tokens stream as they are produced. A
-client that disconnects cancels the replica's task, which aborts the engine request and frees
-its KV blocks (AsyncLLMEngine.generate's cleanup).
+`grpc_context`; `Generate` is an async generator, so tokens stream as they are produced. Serve's
+HTTP proxy sends HTTP requests to the OpenAI-compatible FastAPI app each replica builds over
+its own engine (`cluster.openai`): the same replicas, no extra hop. Either way, a client that
+disconnects cancels the replica's task, which aborts the engine request and frees its KV
+blocks (AsyncLLMEngine.generate's cleanup).
 
 A replica reports ready only after a warm-up request went through its whole path on its device
 (a replica that cannot generate fails to start, and Serve retries it), and its `check_health`
@@ -20,6 +22,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from fastapi import FastAPI
 from ray import serve
 from ray.serve.grpc_util import RayServegRPCContext
 
@@ -29,11 +32,14 @@ from cache_manager.manager import ReplicaState
 from cluster.convert import status_code
 from cluster.kv_reporter import KVReporter
 from cluster.metrics import ServiceMetrics
+from cluster.openai.http import build_openai_app
+from cluster.openai.serving import OpenAIServing
 from cluster.replica_status import StatusPublisher
 from cluster.service import GenerationService
 from kvserve.v1 import generation_pb2 as pb
 from workers.async_engine import AsyncLLMEngine, WarmUp
 from workers.config import EngineConfig
+from workers.core.outputs import RequestOutput
 from workers.engine import LLMEngine
 
 logger = logging.getLogger("ray.serve")
@@ -45,6 +51,7 @@ ADMIN_ENV = "KVSERVE_REPLICA_ADMIN"
 
 
 @serve.deployment(name="Generation")
+@serve.ingress()  # HTTP: the app `__serve_build_asgi_app__` builds over this replica's engine
 class GenerationDeployment:
     async def __init__(  # type: ignore[misc] - Serve awaits an async constructor
         self, engine_config: dict[str, Any], replicas: int, stream_coalesce_ms: float = 0.0,
@@ -55,13 +62,22 @@ class GenerationDeployment:
         self.async_engine = AsyncLLMEngine(self.engine)
         # before anything reports on the engine: metrics and the cache manager never see it
         self.warm_up = await _warm_up(self.async_engine)
-        self.service = GenerationService(self.async_engine, replicas=replicas,
-                                         stream_coalesce_ms=stream_coalesce_ms)
         self.metrics = ServiceMetrics(self.engine.info.name)
+        self.service = GenerationService(self.async_engine, replicas=replicas,
+                                         stream_coalesce_ms=stream_coalesce_ms,
+                                         observe=self._observe)
+        self.openai = OpenAIServing(self.async_engine, observe=self._observe)
         self.status_publisher = StatusPublisher(self.engine.load).start()
         self.kv_reporter = _start_kv_reporter(self.engine, self.status_publisher.replica_id,
                                               cache_manager_config or {})
         self.open_streams = 0
+
+    def _observe(self, stream: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+        return self.metrics.track(stream, self.engine)
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        """Serve's HTTP proxy sends this replica's HTTP requests to this app (OpenAI's API)."""
+        return build_openai_app(self.openai)
 
     async def check_health(self) -> None:
         """Serve's health check, every `health_check_period_s`: raising marks the replica
@@ -75,7 +91,7 @@ class GenerationDeployment:
     ) -> AsyncIterator[pb.GenerateResponse]:
         self.open_streams += 1
         try:
-            async for msg in self.metrics.track(self.service.Generate(request), self.engine):
+            async for msg in self.service.Generate(request):
                 yield msg
         except Exception as exc:
             _set_status(grpc_context, exc)

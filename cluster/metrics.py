@@ -3,20 +3,18 @@ allows `:` in names). They reach the Ray dashboard and Prometheus as `ray_kvserv
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import AsyncIterator
 
 from ray.serve.metrics import Counter, Gauge, Histogram
 
-from kvserve.v1 import generation_pb2 as pb
-from workers.core.outputs import KVCacheStats
+from workers.core.outputs import KVCacheStats, RequestOutput
 from workers.engine import LLMEngine
 
 LATENCY_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
-FINISH_NAMES = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
-                pb.FINISH_REASON_ABORT: "abort"}
 
 METRIC_NAMES = (
     "kvserve_time_to_first_token_seconds", "kvserve_inter_token_latency_seconds",
@@ -95,23 +93,25 @@ class ServiceMetrics:
             self.kv_metrics[2].set(stats.host_used / stats.host_blocks)
         self._last_kv = stats
 
-    async def track(
-        self, stream: AsyncIterator[pb.GenerateResponse], engine: LLMEngine
-    ) -> AsyncIterator[pb.GenerateResponse]:
-        """Re-yield a response stream, observing latencies and token counts on the way."""
+    async def track(self, stream: AsyncIterator[RequestOutput], engine: LLMEngine
+                    ) -> AsyncIterator[RequestOutput]:
+        """Re-yield an engine output stream (gRPC's or HTTP's), observing latencies and token
+        counts on the way. Closing this stream closes `stream` (which aborts its request)."""
         start = last = time.monotonic()
         first = True
-        async for msg in stream:
-            now = time.monotonic()
-            if msg.token_ids:
-                (self.ttft if first else self.itl).observe(now - last)
-                first, last = False, now
-                self.generation_tokens.inc(len(msg.token_ids))
-            if msg.finish_reason:
-                self.e2e.observe(now - start)
-                self.prompt_tokens.inc(msg.usage.prompt_tokens)
-                self.success.inc(tags={"finished_reason": FINISH_NAMES[msg.finish_reason]})
-            self.update_gauges(engine)
-            yield msg
+        async with contextlib.aclosing(stream):
+            async for out in stream:
+                now = time.monotonic()
+                if out.token_ids:
+                    (self.ttft if first else self.itl).observe(now - last)
+                    first, last = False, now
+                    self.generation_tokens.inc(len(out.token_ids))
+                if out.finished:
+                    self.e2e.observe(now - start)
+                    if out.usage is not None:
+                        self.prompt_tokens.inc(out.usage.prompt_tokens)
+                    self.success.inc(tags={"finished_reason": out.finish_reason})
+                self.update_gauges(engine)
+                yield out
         self.update_gauges(engine)
         self.update_kv_cache(engine.kv_stats())  # once per stream: off the per-token path

@@ -19,20 +19,22 @@ from cluster.coalesce import coalesce
 from cluster.convert import engine_request, prompt_input, response, status_code, struct
 from kvserve.v1 import generation_pb2 as pb
 from kvserve.v1 import generation_pb2_grpc as pb_grpc
-from workers.async_engine import AsyncLLMEngine
+from workers.async_engine import AsyncLLMEngine, Observer, unobserved
 
 
 class GenerationService:
     def __init__(self, engine: AsyncLLMEngine, replicas: int = 1,
-                 stream_coalesce_ms: float = 0.0) -> None:
+                 stream_coalesce_ms: float = 0.0, observe: Observer | None = None) -> None:
+        """`observe` wraps each request's engine output stream (the replica's metrics)."""
         if stream_coalesce_ms < 0:
             raise ValueError("stream_coalesce_ms must be >= 0")
         self.engine = engine
+        self.observe = observe or unobserved
         self.replicas = replicas
         self.stream_coalesce_ms = stream_coalesce_ms
 
     async def Generate(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:  # noqa: N802
-        outputs = self.engine.generate(**engine_request(request))
+        outputs = self.observe(self.engine.generate(**engine_request(request)))
         if self.stream_coalesce_ms <= 0:
             async for out in outputs:
                 yield response(out)

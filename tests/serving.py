@@ -45,6 +45,7 @@ class Served:
     handle: Any  # the deployment's DeploymentHandle
     target: str
     metrics_port: int
+    http_url: str  # Serve's HTTP proxy: the OpenAI-compatible API
     app: str = APP  # the Serve application's name: gRPC metadata, cache-manager key
 
     @property
@@ -84,6 +85,7 @@ class _Cluster:
 
     metrics_port: int
     grpc_port: int
+    http_port: int
     env: dict[str, str]  # the environment variables its workers were started with
     channel: grpc.Channel
     app_args: dict[str, Any] | None = None  # settings of the deployed app, None if none
@@ -102,7 +104,7 @@ def _start_cluster(env: dict[str, str]) -> _Cluster:
     from ray import serve
     from ray.serve.config import gRPCOptions
 
-    metrics_port, port = free_port(), free_port()
+    metrics_port, port, http_port = free_port(), free_port(), free_port()
     ray.init(
         num_cpus=CLUSTER_CPUS,
         include_dashboard=False,
@@ -115,10 +117,11 @@ def _start_cluster(env: dict[str, str]) -> _Cluster:
     )
     serve.start(
         grpc_options=gRPCOptions(port=port, grpc_servicer_functions=GRPC_SERVICER_FUNCTIONS),
-        http_options={"host": "127.0.0.1", "port": free_port()},
+        http_options={"host": "127.0.0.1", "port": http_port},
     )
     STARTS["cluster"] += 1
-    return _Cluster(metrics_port, port, dict(env), grpc.insecure_channel(f"127.0.0.1:{port}"))
+    return _Cluster(metrics_port, port, http_port, dict(env),
+                    grpc.insecure_channel(f"127.0.0.1:{port}"))
 
 
 def _undeploy(cluster: _Cluster) -> None:
@@ -193,7 +196,8 @@ def serve_locally(app_args: dict[str, Any], *, reuse: bool = False,
         STARTS["deploy"] += 1
         cluster.app_args = dict(app_args)
         cluster.served = Served(pb_grpc.GenerationStub(cluster.channel), handle,
-                                f"127.0.0.1:{cluster.grpc_port}", cluster.metrics_port, app)
+                                f"127.0.0.1:{cluster.grpc_port}", cluster.metrics_port,
+                                f"http://127.0.0.1:{cluster.http_port}", app)
     cluster.reusable = False  # until this block ends cleanly
     assert cluster.served is not None
     try:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -197,3 +199,83 @@ def test_deadline_exceeded_aborts_the_request_and_frees_its_blocks(served):
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert time.monotonic() - start < 10
     assert _wait_kv_free(served.handle) == 0
+
+
+# --- the OpenAI-compatible HTTP API behind Serve's HTTP proxy (#18) ---------------------------
+
+def _openai(served: Served):
+    import openai
+
+    return openai.OpenAI(base_url=f"{served.http_url}/v1", api_key="unused", max_retries=0)
+
+
+def test_greedy_is_the_same_tokens_over_http_grpc_and_in_process(served, real_engine):
+    """The exactness prompts (tests/prompts.py), greedy: token ids over HTTP (vLLM's
+    `return_tokens_as_token_ids`), over gRPC and in-process are one list."""
+    from tests.prompts import varied_prompts
+
+    prompts = list(varied_prompts(real_engine.tokenizer).values())
+    expected = solo_ids_each(real_engine, [
+        {"prompt_token_ids": ids, "params": {"temperature": 0, "max_tokens": 16}}
+        for ids in prompts])
+    client = _openai(served)
+
+    def over_http(ids: list[int]) -> list[int]:
+        reply = client.completions.create(
+            model="SmolLM2-135M-Instruct", prompt=ids, temperature=0, max_tokens=16,
+            logprobs=0, extra_body={"return_tokens_as_token_ids": True})
+        return [int(t.removeprefix("token_id:")) for t in reply.choices[0].logprobs.tokens]
+
+    def over_grpc(ids: list[int]) -> list[int]:
+        request = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=ids),
+                                     params=pb.SamplingParams(temperature=0, max_tokens=16))
+        return [t for r in served.stub.Generate(request, metadata=served.metadata)
+                for t in r.token_ids]
+
+    with ThreadPoolExecutor(4) as pool:
+        http = list(pool.map(over_http, prompts))
+        grpc_ids = list(pool.map(over_grpc, prompts))
+    assert http == expected
+    assert grpc_ids == expected
+
+
+def test_openai_sdk_streams_chat_through_the_http_proxy(served):
+    import openai
+
+    client = _openai(served)
+    messages = [{"role": "user", "content": "Say hello."}]
+    chunks = list(client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=messages, temperature=0, max_tokens=8,
+        stream=True, stream_options={"include_usage": True}))
+    whole = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages,
+                                           temperature=0, max_tokens=8)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) \
+        == whole.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages,
+                                       top_p=1.5)
+    assert err.value.body["param"] == "top_p"
+    assert [m.id for m in client.models.list().data] == ["SmolLM2-135M-Instruct"]
+    with urllib.request.urlopen(f"{served.http_url}/health", timeout=10) as response:
+        assert response.status == 200
+
+
+def test_http_client_that_disconnects_mid_stream_frees_its_blocks_on_the_replica(served):
+    """As a gRPC cancel does: the proxy cancels the replica's task, the engine request is
+    aborted, its KV blocks are freed within a second."""
+    import socket
+    from urllib.parse import urlparse
+
+    url = urlparse(served.http_url)
+    body = json.dumps({"prompt": "Count to a thousand:", "max_tokens": 1000,
+                       "ignore_eos": True, "stream": True}).encode()
+    with socket.create_connection((url.hostname, url.port)) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: " + str(len(body)).encode()
+                     + b"\r\n\r\n" + body)
+        seen = b""
+        while seen.count(b"data: ") < 2:
+            seen += sock.recv(4096)
+        assert served.handle.kv_cache_usage.remote().result() > 0
+    assert _wait_kv_free(served.handle, timeout=2.0) == 0

@@ -21,7 +21,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +39,8 @@ from workers.errors import (
 
 logger = logging.getLogger(__name__)
 
+# wraps a request's output stream (a front end's metrics); closing the wrapper must close it
+Observer = Callable[[AsyncIterator[RequestOutput]], AsyncIterator[RequestOutput]]
 WARM_UP_PROMPT = "Hello"  # a token or two: the cheapest request that still tokenizes text
 WARM_UP_TOKENS = 2  # one prefill step and one decode step: both attention paths run
 
@@ -78,6 +80,12 @@ class AsyncLLMEngine:
         the engine's state, so it is safe while a step runs."""
         return self.engine.tokenize(prompt=prompt, prompt_token_ids=prompt_token_ids,
                                     messages=messages)
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        return self.engine.detokenize(token_ids)
+
+    def token_texts(self, token_ids: list[int]) -> list[str]:
+        return self.engine.token_texts(token_ids)
 
     async def generate(
         self, *, prompt: str | None = None, prompt_token_ids: list[int] | None = None,
@@ -295,6 +303,11 @@ class AsyncLLMEngine:
         for request_id in self.engine.request_ids():
             self.engine.abort(request_id)
         self._executor.shutdown(wait=True)
+
+
+def unobserved(stream: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+    """The Observer that observes nothing."""
+    return stream
 
 
 def _no_op() -> None:

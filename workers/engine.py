@@ -219,6 +219,15 @@ class LLMEngine:
         return to_token_ids(self.tokenizer, self.vocab_size, prompt=prompt,
                             prompt_token_ids=prompt_token_ids, messages=messages)
 
+    def detokenize(self, token_ids: list[int]) -> str:
+        """The text of `token_ids` (a prompt given as ids, echoed back by the HTTP API)."""
+        return self.tokenizer.decode(token_ids)
+
+    def token_texts(self, token_ids: list[int]) -> list[str]:
+        """Each token's own text, as logprobs name tokens (a byte-level piece of a longer
+        character decodes to U+FFFD, as in vLLM)."""
+        return [self.tokenizer.decode([t]) for t in token_ids]
+
     def enqueue(self, seq: Sequence) -> None:
         if seq.request_id in self.requests:
             raise InvalidRequestError("request_id", f"{seq.request_id!r} is already running")
