@@ -66,7 +66,8 @@ class GenerationDeployment:
         self.service = GenerationService(self.async_engine, replicas=replicas,
                                          stream_coalesce_ms=stream_coalesce_ms,
                                          observe=self._observe)
-        self.openai = OpenAIServing(self.async_engine, observe=self._observe)
+        self.openai = OpenAIServing(self.async_engine, observe=self._observe,
+                                    replicas=replicas)
         self.status_publisher = StatusPublisher(self.engine.load).start()
         self.kv_reporter = _start_kv_reporter(self.engine, self.status_publisher.replica_id,
                                               cache_manager_config or {})

@@ -66,6 +66,8 @@ class SamplingFields(BaseModel):
     cache_salt: str | None = None
     # logprobs name tokens "token_id:N" (exact, where text pieces can be ambiguous)
     return_tokens_as_token_ids: bool = False
+    # each choice (and each streamed delta) carries its new `token_ids`
+    return_token_ids: bool = False
 
     def refused(self) -> tuple[str, str] | None:
         """(field, why) for a field set to something kvserve cannot honour."""
@@ -172,3 +174,6 @@ class ModelCard(BaseModel):
     owned_by: str = "kvserve"
     root: str | None = None
     max_model_len: int | None = None
+    # kvserve's extras, what the gRPC ModelInfo says: benchmarks draw random prompts from it
+    vocab_size: int | None = None
+    replicas: int | None = None

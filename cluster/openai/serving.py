@@ -90,16 +90,19 @@ class _Sample:
 
 class OpenAIServing:
     def __init__(self, engine: AsyncLLMEngine, served_model_name: str | None = None,
-                 observe: Observer | None = None) -> None:
-        """`observe` wraps each engine output stream (the replica's metrics), as gRPC's."""
+                 observe: Observer | None = None, replicas: int = 1) -> None:
+        """`observe` wraps each engine output stream (the replica's metrics), as gRPC's;
+        `replicas`: the deployment's, as /v1/models reports it."""
         self.engine = engine
+        self.replicas = replicas
         self.model = served_model_name or engine.info.name
         self.observe = observe or unobserved
 
     # -- small endpoints ---------------------------------------------------------------------
     def models(self) -> dict[str, Any]:
-        card = ModelCard(id=self.model, root=self.model,
-                         max_model_len=self.engine.info.max_model_len)
+        info = self.engine.info
+        card = ModelCard(id=self.model, root=self.model, max_model_len=info.max_model_len,
+                         vocab_size=info.vocab_size, replicas=self.replicas)
         return {"object": "list", "data": [card.model_dump()]}
 
     def health(self) -> None:
@@ -152,14 +155,15 @@ class OpenAIServing:
         await _drain(samples)
         choices = [{"index": s.index, "text": echoes[s.index // req.n] + s.text,
                     "logprobs": self._completion_logprobs(s.logprobs, req),
-                    "finish_reason": s.finish_reason} for s in samples]
+                    "finish_reason": s.finish_reason} | _ids(req, s.token_ids)
+                   for s in samples]
         return {**head, "choices": choices, "usage": _usage(samples, req.n)}
 
     def _completion_delta(self, s: _Sample, out: RequestOutput, echo: str,
                           req: CompletionRequest) -> dict[str, Any]:
         return {"index": s.index, "text": echo + out.text,
                 "logprobs": self._completion_logprobs(out.logprobs, req),
-                "finish_reason": out.finish_reason}
+                "finish_reason": out.finish_reason} | _ids(req, out.token_ids)
 
     def _completion_logprobs(self, lps: list[TokenLogprobs], req: CompletionRequest
                              ) -> dict[str, Any] | None:
@@ -208,7 +212,8 @@ class OpenAIServing:
                     "message": {"role": "assistant", "content": s.text},
                     "logprobs": self._chat_logprobs(s.logprobs, req) if req.logprobs
                     else None,
-                    "finish_reason": s.finish_reason} for s in samples]
+                    "finish_reason": s.finish_reason} | _ids(req, s.token_ids)
+                   for s in samples]
         return {**head, "choices": choices, "usage": _usage(samples, req.n)}
 
     def _chat_delta(self, s: _Sample, out: RequestOutput, first: bool,
@@ -219,7 +224,7 @@ class OpenAIServing:
             delta = {}
         return {"index": s.index, "delta": delta,
                 "logprobs": self._chat_logprobs(out.logprobs, req) if req.logprobs else None,
-                "finish_reason": out.finish_reason}
+                "finish_reason": out.finish_reason} | _ids(req, out.token_ids)
 
     def _chat_logprobs(self, lps: list[TokenLogprobs], req: ChatCompletionRequest
                        ) -> dict[str, Any]:
@@ -293,6 +298,11 @@ class OpenAIServing:
             yield sse("[DONE]")
 
         return events()
+
+
+def _ids(req: SamplingFields, token_ids: list[int]) -> dict[str, Any]:
+    """vLLM's `return_token_ids`: the choice's (or the delta's) token ids."""
+    return {"token_ids": list(token_ids)} if req.return_token_ids else {}
 
 
 def _chunk(head: dict[str, Any], choice: dict[str, Any], include_usage: bool) -> dict[str, Any]:

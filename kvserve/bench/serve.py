@@ -1,11 +1,14 @@
-"""`kvserve bench serve`: the running service over gRPC against the in-process engine.
+"""`kvserve bench serve`: the running service, over gRPC or HTTP, against the in-process engine.
 
 The workload: `requests` prompts of `prompt_len` random token ids (the prompts of `kvserve bench
 throughput`), each greedy with `ignore_eos`, so every request emits exactly `output_len` tokens.
 At each concurrency level, `concurrency` streams are in flight at once (an asyncio semaphore),
-first through the service (`cluster.client.AsyncClient`, Ray Serve's gRPC proxy), then on an
-in-process `AsyncLLMEngine` built with the service's settings (model and context length from the
-ModelInfo RPC; the rest AppConfig's defaults), so the cost of Ray Serve + gRPC is a ratio.
+first through the service, then on an in-process `AsyncLLMEngine` built with the service's
+settings (model and context length from the ModelInfo RPC or /v1/models; the rest AppConfig's
+defaults), so the cost of Ray Serve + the protocol is a ratio. `protocol` "grpc" streams through
+Ray Serve's gRPC proxy (`cluster.client.AsyncClient`); "http" streams /v1/completions through
+Serve's HTTP proxy (`cluster.http_client.AsyncHTTPClient`, server-sent events, each chunk
+carrying its token ids: vLLM's `return_token_ids`).
 
 Measured per request: TTFT, the time from sending the request to the first message carrying
 tokens; and ITL: every later message carrying k tokens, after a gap g since the previous one,
@@ -31,8 +34,8 @@ from tqdm import tqdm
 
 from cluster.app import AppConfig
 from cluster.client import AsyncClient
+from cluster.http_client import AsyncHTTPClient
 from kvserve.bench.common import greedy_params, make_prompts, percentile
-from kvserve.v1 import generation_pb2 as pb
 from workers.async_engine import AsyncLLMEngine
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
@@ -150,6 +153,43 @@ def service_stream(client: AsyncClient, output_len: int) -> StreamFn:
     return stream
 
 
+def http_stream(client: AsyncHTTPClient, output_len: int) -> StreamFn:
+    async def stream(prompt_ids: list[int]) -> AsyncIterator[Sequence[int]]:
+        async for chunk in client.completions(prompt_token_ids=prompt_ids,
+                                              **greedy_params(output_len)):
+            yield chunk["choices"][0]["token_ids"] if chunk["choices"] else []
+
+    return stream
+
+
+@dataclass(frozen=True)
+class ServiceInfo:
+    """What the benchmark needs of the served model, from either protocol."""
+
+    model: str
+    vocab_size: int
+    max_model_len: int
+    replicas: int
+
+
+@contextlib.asynccontextmanager
+async def _service(target: str, protocol: str, output_len: int
+                   ) -> AsyncIterator[tuple[ServiceInfo, Callable[[int], StreamFn]]]:
+    """The served model's description, and a StreamFn factory (by output length)."""
+    if protocol == "http":
+        async with AsyncHTTPClient(target) as http:
+            card = await http.model_card()
+            yield (ServiceInfo(card["id"], card["vocab_size"], card["max_model_len"],
+                               card["replicas"]), lambda n: http_stream(http, n))
+        return
+    if protocol != "grpc":
+        raise ValueError(f"protocol must be grpc or http, not {protocol!r}")
+    async with AsyncClient(target) as client:
+        info = await client.model_info()
+        yield (ServiceInfo(info.model, info.vocab_size, info.max_model_len, info.replicas),
+               lambda n: service_stream(client, n))
+
+
 def engine_stream(engine: AsyncLLMEngine, output_len: int) -> StreamFn:
     async def stream(prompt_ids: list[int]) -> AsyncIterator[Sequence[int]]:
         async for out in engine.generate(prompt_token_ids=prompt_ids,
@@ -182,7 +222,7 @@ def level_result(service: RunResult, engine: RunResult | None) -> LevelResult:
 async def bench_serve(
     target: str, concurrency: Sequence[int] = (1, 8, 32), requests: int = 64,
     prompt_len: int = 128, output_len: int = 128, skip_engine: bool = False,
-    engine_threads: int | None = 1, progress: bool = True,
+    engine_threads: int | None = 1, progress: bool = True, protocol: str = "grpc",
 ) -> ServeBenchReport:
     """Each concurrency level on the service, then (unless skip_engine) on the engine.
 
@@ -190,26 +230,25 @@ async def bench_serve(
     OMP_NUM_THREADS to a replica's CPUs (`num_cpus_per_replica`, 1 by default); None leaves
     torch's default (all cores).
     """
-    async with AsyncClient(target) as client:
-        info = await client.model_info()
+    async with _service(target, protocol, output_len) as (info, streams):
         prompts = make_prompts(info.vocab_size, requests, prompt_len)
-        on_service = service_stream(client, output_len)
-        await run_level(service_stream(client, 4), prompts[:2], 2, 4, "warm-up service",
-                        progress)
+        on_service = streams(output_len)
+        await run_level(streams(4), prompts[:2], 2, 4, "warm-up service", progress)
         async with _local_engine(info, engine_threads, skip_engine) as engine:
             if engine is not None:
                 await run_level(engine_stream(engine, 4), prompts[:2], 2, 4, "warm-up engine",
                                 progress)
             levels = [await _bench_level(on_service, engine, prompts, c, output_len, progress)
                       for c in concurrency]
-    config = {"target": target, "model": info.model, "replicas": info.replicas,
+    config = {"target": target, "protocol": protocol, "model": info.model,
+              "replicas": info.replicas,
               "requests": requests, "prompt_len": prompt_len, "output_len": output_len,
               "engine_threads": engine_threads}
     return ServeBenchReport(levels, config)
 
 
 @contextlib.asynccontextmanager
-async def _local_engine(info: pb.ModelInfoResponse, threads: int | None,
+async def _local_engine(info: ServiceInfo, threads: int | None,
                         skip: bool) -> AsyncIterator[AsyncLLMEngine | None]:
     """The in-process engine the comparison runs on (None when skipped), shut down after."""
     if skip:
@@ -247,7 +286,8 @@ def run_serve_bench(target: str, **kwargs: Any) -> ServeBenchReport:
 def summarize(report: ServeBenchReport) -> str:
     c = report.config
     lines = [
-        f"{c['model']} at {c['target']} ({c['replicas']} replica(s)): {c['requests']} requests "
+        f"{c['model']} at {c['target']} over {c.get('protocol', 'grpc')} ({c['replicas']} "
+        f"replica(s)): {c['requests']} requests "
         f"x {c['prompt_len']} prompt + {c['output_len']} output tokens, greedy",
         f"{'conc':>5} {'service tok/s':>14} {'engine tok/s':>13} {'ratio':>6} "
         f"{'TTFT p50/p99 ms':>17} {'ITL p50/p99 ms':>15} {'tok/msg':>8}",

@@ -98,16 +98,22 @@ def _run_bench_throughput(args: argparse.Namespace) -> int:
 def _add_bench_serve(bench) -> None:
     s = bench.add_parser(
         "serve",
-        help="a running service over gRPC vs the in-process engine: tok/s, TTFT, ITL",
-        description="Drive a running kvserve service (e.g. `kvserve up`) over gRPC with N greedy "
+        help="a running service over gRPC or HTTP vs the in-process engine: tok/s, TTFT, ITL",
+        description="Drive a running kvserve service (e.g. `kvserve up`) over gRPC (Ray Serve's "
+                    "gRPC proxy) or HTTP (the OpenAI-compatible /v1/completions, streamed) "
+                    "with N greedy "
                     "requests (random prompt token ids, ignore_eos, exactly --output-len tokens "
                     "each) at each concurrency level, then run the same workload on an "
-                    "in-process engine built like a replica (model from the ModelInfo RPC). "
+                    "in-process engine built like a replica (model from the ModelInfo RPC or "
+                    "/v1/models). "
                     "Prints output tokens/s of both and their ratio (service/engine), time to "
                     "first token and inter-token latency (p50/p99, ms) per level.",
     )
     s.add_argument("--target", required=True, metavar="HOST:PORT",
-                   help="gRPC address of the service, e.g. 127.0.0.1:50051")
+                   help="the service's gRPC address (e.g. 127.0.0.1:50051), or with --protocol "
+                        "http its HTTP address (e.g. http://127.0.0.1:8000)")
+    s.add_argument("--protocol", choices=["grpc", "http"], default="grpc",
+                   help="gRPC (default) or the OpenAI-compatible HTTP API")
     s.add_argument("--concurrency", type=positive_ints, default=[1, 8, 32], metavar="N,N,...",
                    help="streams in flight at once, one level each (default 1,8,32)")
     s.add_argument("--requests", type=int, default=64, help="requests per level (default 64)")
@@ -128,6 +134,7 @@ def _add_bench_serve(bench) -> None:
 def _run_bench_serve(args: argparse.Namespace) -> int:
     import grpc
 
+    from cluster.http_client import HTTPStatusError
     from kvserve.bench.serve import run_serve_bench, summarize
 
     try:
@@ -135,9 +142,12 @@ def _run_bench_serve(args: argparse.Namespace) -> int:
             args.target, concurrency=args.concurrency, requests=args.requests,
             prompt_len=args.prompt_len, output_len=args.output_len,
             skip_engine=args.skip_engine, engine_threads=args.engine_threads,
-            progress=not args.json)
+            progress=not args.json, protocol=args.protocol)
     except grpc.RpcError as exc:
         print(f"kvserve: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    except (HTTPStatusError, OSError) as exc:
+        print(f"kvserve: {exc}", file=sys.stderr)
         return 1
     print(json.dumps(report.to_dict(), indent=2) if args.json else summarize(report))
     return 0
