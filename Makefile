@@ -10,6 +10,7 @@ STAMP := $(VENV)/.installed-$(EXTRAS)
 PROMPT ?= Explain in two sentences what a KV cache is.
 
 GRPC_PORT ?= 50051
+HTTP_PORT ?= 8000
 
 .PHONY: install run generate test test-fast lint bench proto clean gpu-check
 
@@ -23,8 +24,8 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
-run: $(STAMP)  ## serve the default model (one replica) on Ray Serve + gRPC until Ctrl-C
-	$(BIN)/kvserve up --replicas 1 --grpc-port $(GRPC_PORT)
+run: $(STAMP)  ## serve the default model (one replica) on Ray Serve, gRPC + HTTP, until Ctrl-C
+	$(BIN)/kvserve up --replicas 1 --grpc-port $(GRPC_PORT) --http-port $(HTTP_PORT)
 
 generate: $(STAMP)  ## generate text with the default model, in-process
 	$(BIN)/kvserve generate --chat "$(PROMPT)" --max-tokens 96

@@ -85,6 +85,9 @@ class AppConfig(EngineSettings):  # type: ignore[misc,valid-type]
     # a dead replica's index entries vanish within it
     kv_lease_ttl_s: float = Field(LEASE_TTL_S, gt=0)
     kv_report_interval_ms: float = Field(REPORT_INTERVAL_MS, gt=0)  # replicas batch KV events
+    # API keys (cluster/auth.py: `keys_file_format`), besides $KVSERVE_API_KEYS in the replicas'
+    # environment; none: the service is open. A path, so the keys never enter the app config
+    api_keys_file: str | None = None
     cache_aware_routing: bool = True  # route to the replica holding the longest cached prefix
     # ongoing requests by which a cache holder may exceed the least-loaded replica and still win
     routing_imbalance_threshold: float = Field(8.0, ge=0)
@@ -99,6 +102,22 @@ class AppConfig(EngineSettings):  # type: ignore[misc,valid-type]
                 raise ValueError(f"not a torch device: {device!r} (auto, cpu, cuda, cuda:N)"
                                  ) from exc
         return device
+
+    @field_validator("api_keys_file")
+    @classmethod
+    def _readable_keys(cls, path: str | None) -> str | None:
+        """Read now, so a bad file fails `kvserve up` naming the field, not every replica;
+        made absolute, since replicas run in other directories."""
+        if path is None:
+            return None
+        from cluster.auth import load_key_ring
+
+        resolved = os.path.abspath(os.path.expanduser(path))
+        try:
+            load_key_ring(keys_file=resolved, env={})
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"{path}: {exc}") from None
+        return resolved
 
     @field_validator(*(s.name for s in engine_settings() if s.info.memory))
     @classmethod
@@ -154,4 +173,4 @@ def build_app(args: dict[str, Any] | AppConfig) -> Application:
             config.model, imbalance_threshold=config.routing_imbalance_threshold))
     replicas = config.autoscaling.max_replicas if config.autoscaling else config.replicas
     return deployment.bind(config.engine_config(), replicas, config.stream_coalesce_ms,
-                           config.cache_manager_config())
+                           config.cache_manager_config(), config.api_keys_file)

@@ -51,12 +51,18 @@ def finish_reason_name(code: int) -> str:
     return pb.FinishReason.Name(code).removeprefix("FINISH_REASON_").lower()
 
 
+def call_metadata(application: str, api_key: str | None) -> tuple[tuple[str, str], ...]:
+    """The metadata of every call: the Serve application, and the API key if any."""
+    auth = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+    return (("application", application), *auth)
+
+
 class Client:
     def __init__(self, target: str, application: str = DEFAULT_APPLICATION,
-                 timeout: float | None = None) -> None:
+                 timeout: float | None = None, api_key: str | None = None) -> None:
         self.channel = grpc.insecure_channel(target)
         self.stub = pb_grpc.GenerationStub(self.channel)
-        self.metadata = (("application", application),)
+        self.metadata = call_metadata(application, api_key)
         self.timeout = timeout
 
     def generate(self, prompt: str | None = None, *, retry_refused_s: float = 0.0,
@@ -100,10 +106,10 @@ class Client:
 
 class AsyncClient:
     def __init__(self, target: str, application: str = DEFAULT_APPLICATION,
-                 timeout: float | None = None) -> None:
+                 timeout: float | None = None, api_key: str | None = None) -> None:
         self.channel = grpc.aio.insecure_channel(target)
         self.stub = pb_grpc.GenerationStub(self.channel)
-        self.metadata = (("application", application),)
+        self.metadata = call_metadata(application, api_key)
         self.timeout = timeout
 
     async def generate(

@@ -7,6 +7,7 @@ from typing import Any
 import grpc
 from google.protobuf import struct_pb2
 
+from cluster.auth import AuthError, RateLimited
 from kvserve.v1 import generation_pb2 as pb
 from workers.core.outputs import RequestOutput
 from workers.errors import EngineShutdownError, InvalidRequestError, QueueFullError
@@ -79,7 +80,9 @@ def struct(values: dict[str, Any]) -> struct_pb2.Struct:
 
 def status_code(exc: BaseException) -> grpc.StatusCode:
     """The gRPC status for an error raised while serving a request."""
-    codes = {InvalidRequestError: grpc.StatusCode.INVALID_ARGUMENT,
+    codes = {AuthError: grpc.StatusCode.UNAUTHENTICATED,
+             RateLimited: grpc.StatusCode.RESOURCE_EXHAUSTED,
+             InvalidRequestError: grpc.StatusCode.INVALID_ARGUMENT,
              QueueFullError: grpc.StatusCode.RESOURCE_EXHAUSTED,
              EngineShutdownError: grpc.StatusCode.UNAVAILABLE}
     return next((code for kind, code in codes.items() if isinstance(exc, kind)),

@@ -29,6 +29,8 @@ from ray.serve.grpc_util import RayServegRPCContext
 from cache_manager import actor as cache_manager
 from cache_manager.index import LEASE_TTL_S, REPORT_INTERVAL_MS
 from cache_manager.manager import ReplicaState
+from cluster import key_rings, tenant_limits
+from cluster.auth import OPEN_GATE, Gate, Tenant, load_key_ring
 from cluster.convert import status_code
 from cluster.kv_reporter import KVReporter
 from cluster.metrics import ServiceMetrics
@@ -55,7 +57,7 @@ ADMIN_ENV = "KVSERVE_REPLICA_ADMIN"
 class GenerationDeployment:
     async def __init__(  # type: ignore[misc] - Serve awaits an async constructor
         self, engine_config: dict[str, Any], replicas: int, stream_coalesce_ms: float = 0.0,
-        cache_manager_config: dict | None = None,
+        cache_manager_config: dict | None = None, api_keys_file: str | None = None,
     ) -> None:
         """Async so that the warm-up runs on the engine's own step loop, as requests do."""
         self.engine = LLMEngine(EngineConfig(**engine_config))
@@ -63,22 +65,37 @@ class GenerationDeployment:
         # before anything reports on the engine: metrics and the cache manager never see it
         self.warm_up = await _warm_up(self.async_engine)
         self.metrics = ServiceMetrics(self.engine.info.name)
+        self.counts = {"generate_calls": 0, "engine_requests": 0}  # what reached this replica
+        self.gate, self.limiter = await _start_gate(api_keys_file)
         self.service = GenerationService(self.async_engine, replicas=replicas,
                                          stream_coalesce_ms=stream_coalesce_ms,
                                          observe=self._observe)
         self.openai = OpenAIServing(self.async_engine, observe=self._observe,
-                                    replicas=replicas)
+                                    replicas=replicas, on_usage=self._used)
         self.status_publisher = StatusPublisher(self.engine.load).start()
         self.kv_reporter = _start_kv_reporter(self.engine, self.status_publisher.replica_id,
                                               cache_manager_config or {})
         self.open_streams = 0
 
     def _observe(self, stream: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+        self.counts["engine_requests"] += 1
         return self.metrics.track(stream, self.engine)
 
+    def _used(self, tenant: str, tokens: int) -> None:
+        """A tenant's request computed `tokens`: its tokens_per_min budget (fire and forget)."""
+        if self.limiter is not None:
+            self.limiter.record.remote(tenant, tokens)
+
+    def _grpc_tenant(self, grpc_context: RayServegRPCContext) -> Tenant | None:
+        """The gRPC caller's tenant: the proxy checked the key already (and its limits); this is
+        the backstop for a proxy without kvserve's guard, and gives the tenant's usage a name."""
+        metadata = dict(grpc_context.invocation_metadata())
+        return self.gate.tenant(metadata.get("authorization"))
+
     def __serve_build_asgi_app__(self) -> FastAPI:
-        """Serve's HTTP proxy sends this replica's HTTP requests to this app (OpenAI's API)."""
-        return build_openai_app(self.openai)
+        """Serve's HTTP proxy sends this replica's HTTP requests to this app (OpenAI's API),
+        behind the same keys and tenant limits as gRPC."""
+        return build_openai_app(self.openai, gate=self.gate)
 
     async def check_health(self) -> None:
         """Serve's health check, every `health_check_period_s`: raising marks the replica
@@ -91,8 +108,14 @@ class GenerationDeployment:
         self, request: pb.GenerateRequest, grpc_context: RayServegRPCContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         self.open_streams += 1
+        self.counts["generate_calls"] += 1
         try:
+            tenant = self._grpc_tenant(grpc_context)
+            if tenant is not None and not request.cache_salt:
+                request.cache_salt = tenant.name
             async for msg in self.service.Generate(request):
+                if tenant is not None and msg.HasField("usage"):
+                    self._used(tenant.name, msg.usage.prompt_tokens + msg.usage.completion_tokens)
                 yield msg
         except Exception as exc:
             _set_status(grpc_context, exc)
@@ -103,12 +126,18 @@ class GenerationDeployment:
     async def ModelInfo(  # noqa: N802
         self, request: pb.ModelInfoRequest, grpc_context: RayServegRPCContext
     ) -> pb.ModelInfoResponse:
+        try:
+            self._grpc_tenant(grpc_context)
+        except Exception as exc:
+            _set_status(grpc_context, exc)
+            raise
         return await self.service.ModelInfo(request)
 
     async def Tokenize(  # noqa: N802
         self, request: pb.TokenizeRequest, grpc_context: RayServegRPCContext
     ) -> pb.TokenizeResponse:
         try:
+            self._grpc_tenant(grpc_context)
             return await self.service.Tokenize(request)
         except Exception as exc:
             _set_status(grpc_context, exc)
@@ -139,6 +168,11 @@ class GenerationDeployment:
         self.kv_reporter.send_once(force=True)
         return self.kv_reporter.state()
 
+    def request_counts(self) -> dict[str, int]:
+        """gRPC Generate calls that reached this replica, and engine requests it opened (either
+        protocol): a call refused at the proxy or at the gate counts in neither."""
+        return dict(self.counts)
+
     def kv_stats(self) -> dict:
         return dataclasses.asdict(self.engine.kv_stats())
 
@@ -166,6 +200,27 @@ class GenerationDeployment:
 
         self.engine.step = failing_step  # type: ignore[method-assign]
         return self.status_publisher.replica_id
+
+
+async def _start_gate(api_keys_file: str | None) -> tuple[Gate, Any]:
+    """This application's keys (the file, and $KVSERVE_API_KEYS in the replica's environment),
+    published for the gRPC proxy; and its limiter actor when a tenant has limits."""
+    ring = load_key_ring(keys_file=api_keys_file)
+    app = serve.get_replica_context().app_name
+    key_rings.publish(app, ring)
+    if ring.open:
+        return OPEN_GATE, None
+    limits = any(t.requests_per_s or t.tokens_per_min for t in ring.tenants.values())
+    if not limits:
+        return Gate(ring), None
+    actor = tenant_limits.limiter(app)
+    await actor.configure.remote(ring.tenants)
+
+    async def admit(tenant: str) -> Any:
+        return await actor.admit.remote(tenant)
+
+    logger.info("kvserve: %d API key(s), %d tenant(s)", len(ring.digests), len(ring.tenants))
+    return Gate(ring, admit), actor
 
 
 async def _warm_up(engine: AsyncLLMEngine) -> WarmUp:

@@ -15,6 +15,12 @@ so runs inside the proxy actor.
 Also, a stream whose replica died under it (killed, or stopped by a shutdown past its graceful
 wait) ends UNAVAILABLE, the retryable code, where Ray reports INTERNAL.
 
+And API keys are checked here, in the proxy, before any work is queued: a call without a valid
+`authorization: Bearer KEY` metadata ends UNAUTHENTICATED, and one from a tenant over its limits
+RESOURCE_EXHAUSTED naming the limit, without reaching a replica. A Generate call with no
+`cache_salt` gets its tenant's name as salt (tenants share no cached blocks unless asked to).
+Each application's ring (digests only) comes from `cluster.key_rings`.
+
 Both rely on Ray Serve internals (the proxy server's handler factory, Ray's error wording):
 those uses live in `cluster.ray_compat`.
 """
@@ -29,11 +35,16 @@ from typing import Any
 
 import grpc
 
+from cluster.auth import AuthError, RateLimited
+from cluster.client import DEFAULT_APPLICATION
+from cluster.key_rings import ProxyGates
 from cluster.ray_compat import is_replica_death, replace_proxy_handler_factory
+from kvserve.v1 import generation_pb2 as pb
 from kvserve.v1.generation_pb2_grpc import add_GenerationServicer_to_server
 
 logger = logging.getLogger(__name__)
 _END = object()
+_GATES = ProxyGates()
 
 
 def add_generation_servicer(servicer: Any, server: Any) -> None:
@@ -47,7 +58,8 @@ def add_generation_servicer(servicer: Any, server: Any) -> None:
 def _cancel_safe_factory(factory: Callable[..., Any]) -> Callable[..., Any]:
     def make(**kwargs: Any) -> Any:
         handler = factory(**kwargs)
-        return cancel_safe(handler) if inspect.isasyncgenfunction(handler) else handler
+        return authenticated(cancel_safe(handler) if inspect.isasyncgenfunction(handler)
+                             else handler)
 
     return make
 
@@ -66,6 +78,32 @@ def cancel_safe(handler: Callable[..., AsyncIterator[Any]]) -> Callable[..., Any
             pump.cancel()
         await pump  # surfaces an error the generator raised
         _replica_death_is_unavailable(context)
+
+    return handle
+
+
+def authenticated(handler: Callable[..., Any], gates: ProxyGates | None = None
+                  ) -> Callable[..., Any]:
+    """Check the caller's key (and its tenant's limits) before `handler` forwards anything;
+    `gates`: the proxy's (the module's), unless a test gives its own."""
+
+    async def handle(request: Any, context: Any) -> Any:
+        metadata = dict(context.invocation_metadata() or ())
+        app = metadata.get("application") or DEFAULT_APPLICATION
+        gate = await (gates or _GATES).gate(app)
+        if gate.open:
+            return await handler(request, context)
+        try:
+            tenant = await gate.admit(metadata.get("authorization"),
+                                      limits=isinstance(request, pb.GenerateRequest))
+        except AuthError as exc:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
+        except RateLimited as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        if tenant is not None and isinstance(request, pb.GenerateRequest) \
+                and not request.cache_salt:
+            request.cache_salt = tenant.name
+        return await handler(request, context)
 
     return handle
 

@@ -49,6 +49,7 @@ class UpState:
     address: str  # Ray GCS address, host:port
     started_head: bool  # kvserve started this head; `kvserve down` stops it
     grpc_port: int
+    http_port: int | None = None  # the OpenAI-compatible API (Serve's HTTP proxy)
     head_pid: int | None = None  # `ray start --block`, leader of the head's session
     temp_dir: str | None = None
     dashboard_url: str | None = None

@@ -165,6 +165,13 @@ def kv_get_prefix(prefix: str, namespace: str) -> list[bytes | None]:
     return [_internal_kv_get(key, namespace=namespace) for key in keys]
 
 
+def kv_get(key: bytes, namespace: str) -> bytes | None:
+    """The value under `key`, None if there is none (the key rings the gRPC proxy reads)."""
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    return _internal_kv_get(key, namespace=namespace)
+
+
 def kv_delete_prefix(prefix: str, namespace: str) -> None:
     """Delete every key under `prefix`."""
     from ray.experimental.internal_kv import _internal_kv_del

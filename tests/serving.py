@@ -25,6 +25,7 @@ from typing import Any
 import grpc
 
 from cache_manager import actor as cache_manager
+from cluster import key_rings
 from cluster.app import GRPC_SERVICER_FUNCTIONS, build_app
 from cluster.local_head import free_port
 from kvserve.v1 import generation_pb2 as pb
@@ -134,6 +135,7 @@ def _undeploy(cluster: _Cluster) -> None:
     cluster.app_args, cluster.served, cluster.reusable = None, None, False
     cache_manager.shutdown(cache_manager.deployment_key(app, "Generation"))
     serve.delete(app)
+    key_rings.forget(app)
 
 
 def shutdown_cluster() -> None:

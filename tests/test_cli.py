@@ -187,7 +187,7 @@ def test_up_flags_for_gpu_replicas_reach_the_app_config(monkeypatch):
 
     seen = {}
     monkeypatch.setattr(kvserve.cli.launch, "serve_until_interrupted",
-                        lambda path, overrides, port: seen.update(
+                        lambda path, overrides, port, http_port: seen.update(
                             config=kvserve.cli.launch.load_config(path, overrides)) or 0)
     assert main(["up", "--dtype", "bfloat16", "--device", "cpu", "--attention-backend", "torch",
                  "--num-gpus-per-replica", "0"]) == 0

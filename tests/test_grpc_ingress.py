@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
 import pytest
 
-from cluster.grpc_ingress import _cancel_safe_factory, cancel_safe
+from cluster import grpc_ingress
+from cluster.auth import OPEN_GATE
+from cluster.grpc_ingress import _cancel_safe_factory, authenticated, cancel_safe
 
 
 class FakeReplicaRequest:
@@ -108,8 +111,76 @@ def test_a_finished_stream_is_written_in_full_and_unary_handlers_pass_through():
     async def unary(request, context):
         return b"ok"
 
-    made = _cancel_safe_factory(lambda **kwargs: unary)(service_method="/m", streaming_type=0)
-    assert made is unary
+    with pytest.MonkeyPatch.context() as patch:  # an application without keys
+        patch.setattr(grpc_ingress, "_GATES", FixedGates(OPEN_GATE))
+        made = _cancel_safe_factory(lambda **kwargs: unary)(service_method="/m",
+                                                            streaming_type=0)
+        assert asyncio.run(made(None, KeyedContext(None))) == b"ok"  # passed through
+
+
+class KeyedContext:
+    """A proxy-side context: the call's metadata, and `abort` raising as grpc.aio's does."""
+
+    def __init__(self, key: str | None) -> None:
+        self.metadata = [("application", "app")] + (
+            [("authorization", f"Bearer {key}")] if key else [])
+        self.aborted: tuple | None = None
+
+    def invocation_metadata(self):
+        return self.metadata
+
+    async def abort(self, code, details):
+        self.aborted = (code, details)
+        raise grpc.aio.AbortError(code, details)
+
+
+class FixedGates:
+    def __init__(self, gate) -> None:
+        self.fixed = gate
+
+    async def gate(self, app):
+        return self.fixed
+
+
+def test_the_proxy_refuses_a_bad_key_before_forwarding_and_salts_by_tenant():
+    """UNAUTHENTICATED without a valid key, RESOURCE_EXHAUSTED over a limit, the request never
+    forwarded; a valid key's request is forwarded with its tenant as cache_salt."""
+    from cluster.auth import Gate, KeyRing, Tenant, load_key_ring
+    from cluster.tenant_limits import Refusal
+    from kvserve.v1 import generation_pb2 as pb
+
+    forwarded: list = []
+
+    async def forward(request, context):
+        forwarded.append(request)
+        return b"ok"
+
+    ring = load_key_ring(["sk-a:acme"], env={})
+
+    async def refuse_all(tenant):
+        return Refusal(tenant, "requests_per_s", 1.0, 0.5)
+
+    async def scenario():
+        handler = authenticated(forward, FixedGates(Gate(ring)))
+        for key in (None, "sk-b"):
+            context = KeyedContext(key)
+            with pytest.raises(grpc.aio.AbortError):
+                await handler(pb.GenerateRequest(prompt="x"), context)
+            assert context.aborted[0] == grpc.StatusCode.UNAUTHENTICATED
+        assert forwarded == []
+        assert await handler(pb.GenerateRequest(prompt="x"), KeyedContext("sk-a")) == b"ok"
+        assert forwarded[0].cache_salt == "acme"
+        await handler(pb.GenerateRequest(prompt="x", cache_salt="mine"), KeyedContext("sk-a"))
+        assert forwarded[1].cache_salt == "mine"  # a salt the caller chose is kept
+        with_limits = KeyRing(ring.digests, {"acme": Tenant("acme", requests_per_s=1.0)})
+        limited = authenticated(forward, FixedGates(Gate(with_limits, refuse_all)))
+        context = KeyedContext("sk-a")
+        with pytest.raises(grpc.aio.AbortError):
+            await limited(pb.GenerateRequest(prompt="x"), context)
+        assert context.aborted[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "requests_per_s" in context.aborted[1] and len(forwarded) == 2
+
+    asyncio.run(scenario())
 
 
 @pytest.mark.parametrize(("code", "details", "expected"), [

@@ -9,6 +9,7 @@ import json
 import socket
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,9 +18,11 @@ import openai
 import pytest
 import uvicorn
 
+from cluster.auth import OPEN_GATE, Gate, load_key_ring
 from cluster.local_head import free_port
 from cluster.openai.http import build_openai_app
 from cluster.openai.serving import OpenAIServing
+from cluster.tenant_limits import TenantLimiter
 from tests.helpers import assert_engine_idle, poll, solo_ids
 from workers.async_engine import AsyncLLMEngine
 from workers.config import EngineConfig
@@ -37,11 +40,13 @@ class Local:
 
 
 @contextlib.contextmanager
-def http_server(engine: LLMEngine) -> Iterator[Local]:
+def http_server(engine: LLMEngine, gate: Gate = OPEN_GATE, on_usage=None,
+                observe=None) -> Iterator[Local]:
     """`engine` behind the OpenAI app on uvicorn, in a thread; its AsyncLLMEngine is shut
     down (and must have left `engine` idle) when the block ends."""
     core = AsyncLLMEngine(engine)
-    app = build_openai_app(OpenAIServing(core), on_shutdown=core.shutdown)
+    serving = OpenAIServing(core, on_usage=on_usage, observe=observe)
+    app = build_openai_app(serving, on_shutdown=core.shutdown, gate=gate)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -254,3 +259,77 @@ def test_admission_refusal_is_429_with_retry_after(real_checkpoint):
         assert refused[0].response.headers["retry-after"] == "1"
         assert refused[0].body["param"] == "max_waiting_requests"
         assert sum(1 for r in results if not isinstance(r, Exception)) == 2
+
+
+# --- API keys and tenants (#18) ----------------------------------------------------------------
+
+LONG_PROMPT = " ".join(f"Line {i}: the quarterly ledger balanced to the cent." for i in range(12))
+
+
+def test_keys_tenants_and_limits_over_http(real_checkpoint, tmp_path):
+    """No key or a wrong one: 401 (the SDK's AuthenticationError) and nothing reaches the
+    engine. Two tenants sending the same long prompt: each hits its own cached blocks, never
+    the other's. A tenant over requests_per_s or tokens_per_min gets 429 naming the limit
+    while another tenant is served."""
+    keys = tmp_path / "keys.yaml"
+    keys.write_text("tenants:\n  slow: {requests_per_s: 0.05}\n  thrifty: {tokens_per_min: 40}\n"
+                    "keys:\n  - {key: sk-a, tenant: acme}\n  - {key: sk-b, tenant: bravo}\n"
+                    "  - {key: sk-slow, tenant: slow}\n  - {key: sk-thrifty, tenant: thrifty}\n")
+    ring = load_key_ring(keys_file=keys, env={})
+    limiter = TenantLimiter(ring.tenants)
+
+    async def admit(tenant: str):
+        return limiter.admit(tenant)
+
+    opened: list[int] = []
+
+    def observe(stream):
+        opened.append(1)
+        return stream
+
+    engine = LLMEngine(EngineConfig(kv_cache_memory=64 * 1024**2, device="cpu",
+                                    enable_prefix_caching=True), checkpoint=real_checkpoint)
+    with http_server(engine, gate=Gate(ring, admit), on_usage=limiter.record,
+                     observe=observe) as served:
+        def client(key: str) -> openai.OpenAI:
+            return openai.OpenAI(base_url=f"{served.url}/v1", api_key=key, max_retries=0)
+
+        def ask(key: str, prompt: str = PROMPT, max_tokens: int = 4):
+            return client(key).completions.create(model="SmolLM2-135M-Instruct", prompt=prompt,
+                                                  temperature=0, max_tokens=max_tokens)
+
+        for bad in ("sk-wrong", "sk-"):
+            with pytest.raises(openai.AuthenticationError) as err:
+                ask(bad)
+            assert err.value.status_code == 401 and "sk-" not in err.value.message
+        with pytest.raises(urllib.error.HTTPError) as no_key:  # no Authorization header
+            post_json(f"{served.url}/v1/completions", {"prompt": PROMPT, "max_tokens": 2})
+        assert no_key.value.code == 401
+        assert json.loads(no_key.value.read())["error"]["code"] == "invalid_api_key"
+        with pytest.raises(openai.AuthenticationError):
+            client("sk-wrong").models.list()
+        assert opened == [], "a request without a valid key reached the engine"
+        assert get_json(f"{served.url}/health") == {"status": "ok"}  # open to load balancers
+
+        def cached(key: str) -> int:
+            return ask(key, LONG_PROMPT).usage.prompt_tokens_details.cached_tokens
+
+        prompt_len = len(engine.tokenize(prompt=LONG_PROMPT))
+        assert cached("sk-a") == 0
+        assert cached("sk-b") == 0  # the same prompt, another tenant: no hit
+        full = (prompt_len - 1) // engine.info.block_size * engine.info.block_size
+        assert cached("sk-a") == full and cached("sk-b") == full  # each its own hits
+        assert len(opened) == 4
+
+        ask("sk-slow")  # the bucket's one request
+        with pytest.raises(openai.RateLimitError) as err:
+            ask("sk-slow")
+        assert err.value.body["param"] == "requests_per_s"
+        assert int(err.value.response.headers["retry-after"]) >= 1
+        ask("sk-a")  # another tenant is served meanwhile
+
+        ask("sk-thrifty", max_tokens=40)  # crosses 40 tokens: served, the next one waits
+        with pytest.raises(openai.RateLimitError) as err:
+            ask("sk-thrifty")
+        assert err.value.body["param"] == "tokens_per_min"
+        ask("sk-b")

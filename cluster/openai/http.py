@@ -9,13 +9,15 @@ app runs under uvicorn without Ray. Errors leave in OpenAI's shape,
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from cluster.auth import OPEN_GATE, AuthError, Gate, RateLimited
 from cluster.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -29,9 +31,19 @@ ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/
 
 
 def build_openai_app(serving: OpenAIServing,
-                     on_shutdown: Callable[[], Awaitable[None]] | None = None) -> FastAPI:
+                     on_shutdown: Callable[[], Awaitable[None]] | None = None,
+                     gate: Gate = OPEN_GATE) -> FastAPI:
     """`on_shutdown`: awaited when the server stops (a standalone server shuts its engine
-    down; a Serve replica does that in its own shutdown hook)."""
+    down; a Serve replica does that in its own shutdown hook). `gate`: API keys and tenant
+    limits (`cluster.auth`): every /v1 and /tokenize call needs a key once keys exist,
+    completions and chat completions also take one request from the tenant's budget;
+    /health stays open, for load balancers."""
+
+    async def caller(request: Request) -> str | None:
+        return await _admitted(gate, request, limits=True)
+
+    async def keyholder(request: Request) -> str | None:
+        return await _admitted(gate, request, limits=False)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -51,15 +63,17 @@ def build_openai_app(serving: OpenAIServing,
         return JSONResponse(validation_error(exc).body(), status_code=400)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest) -> Any:
-        return _respond(await serving.completions(body))
+    async def completions(body: CompletionRequest,
+                          tenant: str | None = Depends(caller)) -> Any:
+        return _respond(await serving.completions(body, tenant))
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest) -> Any:
-        return _respond(await serving.chat(body))
+    async def chat_completions(body: ChatCompletionRequest,
+                               tenant: str | None = Depends(caller)) -> Any:
+        return _respond(await serving.chat(body, tenant))
 
     @app.get("/v1/models")
-    async def models() -> Any:
+    async def models(_: str | None = Depends(keyholder)) -> Any:
         return serving.models()
 
     @app.get("/health")
@@ -68,10 +82,25 @@ def build_openai_app(serving: OpenAIServing,
         return {"status": "ok"}
 
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> Any:
+    async def tokenize(body: TokenizeRequest, _: str | None = Depends(keyholder)) -> Any:
         return serving.tokenize(body)
 
     return app
+
+
+async def _admitted(gate: Gate, request: Request, limits: bool) -> str | None:
+    """The caller's tenant name (None when the service is open), or the OpenAI error."""
+    try:
+        tenant = await gate.admit(request.headers.get("authorization"), limits=limits)
+    except AuthError as exc:
+        raise OpenAIError(401, str(exc), code="invalid_api_key") from None
+    except RateLimited as exc:
+        r = exc.refusal
+        raise OpenAIError(429, str(exc), "rate_limit_error", param=r.limit,
+                          code="rate_limit_exceeded",
+                          headers={"Retry-After": str(max(1, math.ceil(r.retry_after_s)))}
+                          ) from None
+    return tenant.name if tenant is not None else None
 
 
 def _respond(result: Any) -> Any:

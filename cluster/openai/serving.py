@@ -90,11 +90,14 @@ class _Sample:
 
 class OpenAIServing:
     def __init__(self, engine: AsyncLLMEngine, served_model_name: str | None = None,
-                 observe: Observer | None = None, replicas: int = 1) -> None:
+                 observe: Observer | None = None, replicas: int = 1,
+                 on_usage: Callable[[str, int], None] | None = None) -> None:
         """`observe` wraps each engine output stream (the replica's metrics), as gRPC's;
-        `replicas`: the deployment's, as /v1/models reports it."""
+        `replicas`: the deployment's, as /v1/models reports it; `on_usage(tenant, tokens)`:
+        told the prompt + completion tokens of each request a tenant made (its limits)."""
         self.engine = engine
         self.replicas = replicas
+        self.on_usage = on_usage
         self.model = served_model_name or engine.info.name
         self.observe = observe or unobserved
 
@@ -133,8 +136,9 @@ class OpenAIServing:
                               f"`{self.model}`).", param="model", code="model_not_found")
 
     # -- completions -------------------------------------------------------------------------
-    async def completions(self, req: CompletionRequest
+    async def completions(self, req: CompletionRequest, tenant: str | None = None
                           ) -> dict[str, Any] | AsyncIterator[str]:
+        """`tenant`: the caller's (API key), its default prefix-cache salt."""
         rename = {"prompt_token_ids": "prompt"}
         self._check(req)
         prompts = req.prompts()
@@ -144,15 +148,17 @@ class OpenAIServing:
         except InvalidRequestError as exc:
             raise openai_error(exc, rename) from exc
         max_tokens = req.max_tokens if req.max_tokens is not None else 16  # OpenAI's default
-        samples = await self._start(req, ids, lambda _: max_tokens, req.logprobs, rename)
+        samples = await self._start(req, ids, lambda _: max_tokens, req.logprobs, rename,
+                                    tenant)
         head = {"id": new_id("cmpl"), "object": "text_completion", "created": now(),
                 "model": self.model}
         echoes = [self.engine.detokenize(i) if req.echo else "" for i in ids]
         if req.stream:
             return self._stream(samples, head, req.n, req.include_usage(),
                                 lambda s, out, first: self._completion_delta(
-                                    s, out, echoes[s.index // req.n] if first else "", req))
-        await _drain(samples)
+                                    s, out, echoes[s.index // req.n] if first else "", req),
+                                tenant)
+        await self._drain(samples, tenant)
         choices = [{"index": s.index, "text": echoes[s.index // req.n] + s.text,
                     "logprobs": self._completion_logprobs(s.logprobs, req),
                     "finish_reason": s.finish_reason} | _ids(req, s.token_ids)
@@ -185,7 +191,8 @@ class OpenAIServing:
                 "top_logprobs": tops, "text_offset": offsets}
 
     # -- chat completions --------------------------------------------------------------------
-    async def chat(self, req: ChatCompletionRequest) -> dict[str, Any] | AsyncIterator[str]:
+    async def chat(self, req: ChatCompletionRequest, tenant: str | None = None
+                   ) -> dict[str, Any] | AsyncIterator[str]:
         limit_name = "max_completion_tokens" if req.max_completion_tokens is not None \
             else "max_tokens"
         rename = {"prompt": "messages", "prompt_token_ids": "messages",
@@ -200,14 +207,15 @@ class OpenAIServing:
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         samples = await self._start(
             req, [ids], lambda n: asked if asked is not None else self._room(n), logprobs,
-            rename)
+            rename, tenant)
         head = {"id": new_id("chatcmpl"), "object": "chat.completion", "created": now(),
                 "model": self.model}
         if req.stream:
             chunk_head = {**head, "object": "chat.completion.chunk"}
             return self._stream(samples, chunk_head, req.n, req.include_usage(),
-                                lambda s, out, first: self._chat_delta(s, out, first, req))
-        await _drain(samples)
+                                lambda s, out, first: self._chat_delta(s, out, first, req),
+                                tenant)
+        await self._drain(samples, tenant)
         choices = [{"index": s.index,
                     "message": {"role": "assistant", "content": s.text},
                     "logprobs": self._chat_logprobs(s.logprobs, req) if req.logprobs
@@ -251,7 +259,7 @@ class OpenAIServing:
 
     async def _start(self, req: SamplingFields, prompts: list[list[int]],
                      max_tokens: Callable[[int], int], logprobs: int | None,
-                     rename: dict[str, str]) -> list[_Sample]:
+                     rename: dict[str, str], tenant: str | None) -> list[_Sample]:
         """Open n streams per prompt and await each one's first output (see the module's
         docstring); on any error close the ones opened, then raise it OpenAI-shaped."""
         request_id = new_id("req")
@@ -260,7 +268,7 @@ class OpenAIServing:
             for j in range(req.n):
                 params = _engine_params(req, max_tokens(len(ids)), logprobs, j)
                 stream = self.observe(self.engine.generate(
-                    prompt_token_ids=ids, params=params, cache_salt=req.cache_salt,
+                    prompt_token_ids=ids, params=params, cache_salt=req.cache_salt or tenant,
                     request_id=f"{request_id}-{p * req.n + j}"))
                 samples.append(_Sample(p * req.n + j, ids, stream))
         firsts: list[asyncio.Future] = [asyncio.ensure_future(anext(s.stream)) for s in samples]
@@ -279,8 +287,8 @@ class OpenAIServing:
         return samples
 
     def _stream(self, samples: list[_Sample], head: dict[str, Any], n: int,
-                include_usage: bool, delta: Callable[..., dict[str, Any]]
-                ) -> AsyncIterator[str]:
+                include_usage: bool, delta: Callable[..., dict[str, Any]],
+                tenant: str | None) -> AsyncIterator[str]:
         async def events() -> AsyncIterator[str]:
             try:
                 for s in samples:  # the outputs awaited before the response began
@@ -295,9 +303,24 @@ class OpenAIServing:
                 yield sse(openai_error(exc).body())
             finally:
                 await _close(samples)
+                self._used(samples, tenant)
             yield sse("[DONE]")
 
         return events()
+
+
+    async def _drain(self, samples: list[_Sample], tenant: str | None) -> None:
+        try:
+            async for s, out in _merged(samples):
+                s.add(out)
+        finally:
+            await _close(samples)
+            self._used(samples, tenant)
+
+    def _used(self, samples: list[_Sample], tenant: str | None) -> None:
+        """Tell `on_usage` what the request computed: every sample's prompt and tokens."""
+        if tenant is not None and self.on_usage is not None:
+            self.on_usage(tenant, sum(len(s.prompt_ids) + len(s.token_ids) for s in samples))
 
 
 def _ids(req: SamplingFields, token_ids: list[int]) -> dict[str, Any]:
@@ -339,14 +362,6 @@ def _usage(samples: list[_Sample], n: int) -> dict[str, Any]:
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
-
-
-async def _drain(samples: list[_Sample]) -> None:
-    try:
-        async for s, out in _merged(samples):
-            s.add(out)
-    finally:
-        await _close(samples)
 
 
 async def _merged(samples: list[_Sample]) -> AsyncIterator[tuple[_Sample, RequestOutput]]:

@@ -33,7 +33,7 @@ def load_config(path: str | None, overrides: dict[str, Any]) -> AppConfig:
 
 
 def serve_until_interrupted(config_path: str | None, overrides: dict[str, Any],
-                            grpc_port: int) -> int:
+                            grpc_port: int, http_port: int) -> int:
     """`kvserve up`: deploy as `start` does, serve until SIGINT or SIGTERM (one sent to the
     whole process group, as `timeout` sends it, included), then take down what it started.
     Its head is tied to this process: a SIGKILL of it takes the head down too."""
@@ -42,7 +42,7 @@ def serve_until_interrupted(config_path: str | None, overrides: dict[str, Any],
 
     config = load_config(config_path, overrides)
     with sigterm_as_interrupt():
-        state = start(config, grpc_port, fate_share=True)
+        state = start(config, grpc_port, fate_share=True, http_port=http_port)
         if state is None:
             return 1
         try:
@@ -58,9 +58,11 @@ def serve_until_interrupted(config_path: str | None, overrides: dict[str, Any],
             return 0
 
 
-def deploy_detached(config_path: str | None, overrides: dict[str, Any], grpc_port: int) -> int:
+def deploy_detached(config_path: str | None, overrides: dict[str, Any], grpc_port: int,
+                    http_port: int) -> int:
     """`kvserve up --detach`: deploy as `start` does and return; `kvserve down` stops it."""
-    state = start(load_config(config_path, overrides), grpc_port, fate_share=False)
+    state = start(load_config(config_path, overrides), grpc_port, fate_share=False,
+                  http_port=http_port)
     if state is None:
         return 1
     print("kvserve: check with: kvserve status; stop with: kvserve down", flush=True)
@@ -68,7 +70,7 @@ def deploy_detached(config_path: str | None, overrides: dict[str, Any], grpc_por
 
 
 def start(config: AppConfig, grpc_port: int, fate_share: bool,
-          record: bool = True) -> UpState | None:
+          http_port: int, record: bool = True) -> UpState | None:
     """Deploy onto RAY_ADDRESS's cluster, or onto a Ray head started here as its own process
     (cluster/local_head.py), and record it in the state file for `kvserve status` / `down`.
     `fate_share`: the head ends when this process does. `record=False`: a deployment the caller
@@ -86,8 +88,8 @@ def start(config: AppConfig, grpc_port: int, fate_share: bool,
     else:
         state = local_head.UpState(address=address, started_head=False, grpc_port=grpc_port)
     try:
-        state.grpc_port = grpc_port
-        dashboard = _deploy(config, state, grpc_port)
+        state.grpc_port, state.http_port = grpc_port, http_port
+        dashboard = _deploy(config, state, grpc_port, http_port)
     except BaseException as exc:  # a failure, or an interrupt (Ctrl-C, SIGTERM) while deploying
         if state.started_head:
             local_head.stop_head(state.head_pid, state.temp_dir)
@@ -102,6 +104,11 @@ def start(config: AppConfig, grpc_port: int, fate_share: bool,
           f"{config.replicas} replica(s) on the Ray cluster at {state.address}"
           f"{' (started by kvserve)' if state.started_head else ''}", flush=True)
     print(f"kvserve: gRPC at 127.0.0.1:{grpc_port} (metadata application={APP_NAME})", flush=True)
+    print(f"kvserve: OpenAI-compatible HTTP at http://127.0.0.1:{http_port}/v1", flush=True)
+    if config.api_keys_file is None and not os.environ.get("KVSERVE_API_KEYS"):
+        print(f"kvserve: WARNING: no API keys: the gRPC port {grpc_port} listens on every "
+              "interface, and anyone who can reach it can use the service (--api-key)",
+              file=sys.stderr, flush=True)
     if state.dashboard_url:
         print(f"kvserve: Ray dashboard at {state.dashboard_url}", flush=True)
     if state.env and "RAY_AUTH_TOKEN_PATH" in state.env:
@@ -110,19 +117,19 @@ def start(config: AppConfig, grpc_port: int, fate_share: bool,
     return state
 
 
-def _deploy(config: AppConfig, state: Any, grpc_port: int) -> str | None:
+def _deploy(config: AppConfig, state: Any, grpc_port: int, http_port: int) -> str | None:
     from ray import serve
     from ray.serve.config import gRPCOptions
 
-    from cluster.local_head import connect_driver, disconnect_driver, free_port
+    from cluster.local_head import connect_driver, disconnect_driver
 
     context = connect_driver(state.address, state.env)
     try:
         serve.start(
             grpc_options=gRPCOptions(port=grpc_port,
                                      grpc_servicer_functions=GRPC_SERVICER_FUNCTIONS),
-            # HTTP is unused (gRPC only): a free loopback port, not 8000 shared with others
-            http_options={"host": "127.0.0.1", "port": free_port()},
+            # the OpenAI-compatible API (cluster/openai), on loopback
+            http_options={"host": "127.0.0.1", "port": http_port},
         )
         serve.run(build_app(config), name=APP_NAME, blocking=False)
         url = getattr(context, "dashboard_url", None)

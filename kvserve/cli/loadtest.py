@@ -117,7 +117,8 @@ def _start_local(config: str | None) -> UpState | None:
     from kvserve.cli.launch import load_config, start
 
     overrides = {} if config else {"replicas": 1}
-    return start(load_config(config, overrides), free_port(), fate_share=True, record=False)
+    return start(load_config(config, overrides), free_port(), fate_share=True, record=False,
+                 http_port=free_port())
 
 
 def _ray_readers(address: str | None,

@@ -22,19 +22,32 @@ def add_serve_commands(sub) -> None:
 
 def add_up(sub) -> None:
     p = sub.add_parser(
-        "up", help="start a local Ray cluster (or join RAY_ADDRESS) and serve over gRPC",
-        description="Deploy kvserve on Ray Serve and serve gRPC until Ctrl-C. Without "
+        "up", help="start a local Ray cluster (or join RAY_ADDRESS) and serve over gRPC and HTTP",
+        description="Deploy kvserve on Ray Serve and serve gRPC and the OpenAI-compatible HTTP "
+                    "API until Ctrl-C. Without "
                     "RAY_ADDRESS a local Ray cluster is started; with it, that cluster is "
                     "joined. --detach deploys, prints the addresses and returns; then use "
                     "`kvserve status` and `kvserve down`.")
     p.add_argument("--replicas", type=int, default=None, help="replicas (default 1)")
     p.add_argument("--grpc-port", type=int, default=50051,
                    help="port of Serve's gRPC proxy (default 50051)")
+    p.add_argument("--http-port", type=int, default=8000,
+                   help="port of Serve's HTTP proxy, the OpenAI-compatible API on 127.0.0.1 "
+                        "(/v1/completions, /v1/chat/completions, /v1/models, /health, "
+                        "/tokenize; default 8000, Serve's and vLLM's)")
     p.add_argument("--num-gpus-per-replica", type=float, default=None,
                    help="GPUs Ray reserves per replica (default 0; 1 on GPU nodes)")
     p.add_argument("--redis-url", default=None,
                    help="Redis for the cache manager's index (default: $REDIS_URL, else an "
                         "embedded redis-server)")
+    p.add_argument("--api-key", action="append", default=None, metavar="KEY[:TENANT]",
+                   help="an API key clients must send (HTTP 'Authorization: Bearer KEY', gRPC "
+                        "metadata 'authorization: Bearer KEY'), optionally naming its tenant "
+                        "(its prefix-cache salt); repeatable. Also read from $KVSERVE_API_KEYS "
+                        "(comma-separated). Without keys the service is open")
+    p.add_argument("--api-keys-file", default=None, metavar="PATH",
+                   help="YAML of keys, their tenants and the tenants' limits (requests_per_s, "
+                        "tokens_per_min); see cluster/auth.py")
     p.add_argument("--config", default=None,
                    help="YAML of AppConfig fields, or a Serve config like infra/serve/cpu.yaml")
     p.add_argument("--detach", action="store_true",
@@ -48,7 +61,8 @@ def add_up(sub) -> None:
 def _run_up(args: argparse.Namespace) -> int:
     overrides = engine_kwargs(args) | {
         "replicas": args.replicas, "num_gpus_per_replica": args.num_gpus_per_replica,
-        "redis_url": args.redis_url}
+        "redis_url": args.redis_url,
+        "api_keys_file": keys_file_for(args.api_key, args.api_keys_file)}
     from cluster import local_head
 
     if already_up(local_head.read_live_state()):  # before the ~6 s of Ray and engine imports
@@ -56,10 +70,38 @@ def _run_up(args: argparse.Namespace) -> int:
     if args.detach:
         from kvserve.cli.launch import deploy_detached
 
-        return deploy_detached(args.config, overrides, args.grpc_port)
+        return deploy_detached(args.config, overrides, args.grpc_port, args.http_port)
     from kvserve.cli.launch import serve_until_interrupted
 
-    return serve_until_interrupted(args.config, overrides, args.grpc_port)
+    return serve_until_interrupted(args.config, overrides, args.grpc_port, args.http_port)
+
+
+def keys_file_for(keys: list[str] | None, keys_file: str | None) -> str | None:
+    """The keys file replicas read: `keys_file`, or one written here (mode 0600, in the cache
+    directory) for the --api-key flags and $KVSERVE_API_KEYS, which then travel to every node
+    as a path, never in the app's config."""
+    import os
+
+    from cluster.auth import KEYS_ENV, parse_key
+
+    specs = [*(keys or []), *(k for k in os.environ.get(KEYS_ENV, "").split(",") if k.strip())]
+    if not specs:
+        return keys_file
+    if keys_file is not None:
+        raise SystemExit("kvserve: give keys with --api-key / $KVSERVE_API_KEYS or in "
+                         "--api-keys-file, not both")
+    import yaml
+
+    from workers.config import cache_root
+
+    entries = [{"key": k, "tenant": t} if t else k for k, t in map(parse_key, specs)]
+    path = cache_root() / "api-keys.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        yaml.safe_dump({"keys": entries}, f)
+    os.chmod(path, 0o600)
+    return str(path)
 
 
 def already_up(previous: UpState | None) -> bool:

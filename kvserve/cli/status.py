@@ -202,6 +202,7 @@ def down(address: str | None, state: local_head.UpState | None = None) -> int:
     from ray import serve
 
     from cache_manager import actor as cache_manager
+    from cluster import key_rings
 
     stop_head = state is not None and state.started_head
     try:
@@ -210,6 +211,7 @@ def down(address: str | None, state: local_head.UpState | None = None) -> int:
             serve.delete(APP_NAME)
             print(f"kvserve: deleted the '{APP_NAME}' application", flush=True)
         replica_status.delete_all()
+        key_rings.forget(APP_NAME)
         keys = cache_manager.shutdown(cache_manager.deployment_key(APP_NAME, "Generation"))
         if keys is not None:
             print(f"kvserve: stopped the cache manager, deleted its Redis keys ({keys})",
