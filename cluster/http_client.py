@@ -51,9 +51,21 @@ class AsyncHTTPClient:
                           prompt_token_ids: list[int] | None = None, **params: Any
                           ) -> AsyncIterator[dict[str, Any]]:
         """Stream /v1/completions chunks (token ids included); raises HTTPStatusError."""
-        body = {"prompt": prompt if prompt is not None else prompt_token_ids, "stream": True,
-                "return_token_ids": True, **params}
-        async with self.session.post(f"{self.url}/v1/completions", json=body) as response:
+        body = {"prompt": prompt if prompt is not None else prompt_token_ids, **params}
+        async for chunk in self._stream("/v1/completions", body):
+            yield chunk
+
+    async def chat(self, messages: list[dict[str, str]], **params: Any
+                   ) -> AsyncIterator[dict[str, Any]]:
+        """Stream /v1/chat/completions chunks (token ids included)."""
+        async for chunk in self._stream("/v1/chat/completions", {"messages": messages,
+                                                                   **params}):
+            yield chunk
+
+    async def _stream(self, path: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        body = {"stream": True, "return_token_ids": True,
+                "stream_options": {"include_usage": True}, **body}
+        async with self.session.post(f"{self.url}{path}", json=body) as response:
             if response.status != 200:
                 await _json_or_raise(response)
             async for line in response.content:

@@ -37,7 +37,7 @@ def new_user_env(model_dir: Path, tmp_path: Path) -> dict[str, str]:
         (cache / "kernels").symlink_to(kernels, target_is_directory=True)
     env = {k: v for k, v in os.environ.items()
            if k not in ("RAY_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_MODE",
-                        "REDIS_URL")}
+                        "REDIS_URL", "KVSERVE_API_KEYS", "KVSERVE_API_KEY")}
     return env | {"HOME": str(home), "KVSERVE_CACHE_DIR": str(cache)}
 
 
@@ -75,9 +75,13 @@ def test_up_detach_status_generate_down(model_dir, tmp_path, monkeypatch):
     namespace = "kvserve:kvserve.Generation:*"
     started = time.time() - 1
     try:
-        up = kvserve("up", "--detach", "--grpc-port", str(port), "--kv-cache-memory", "256MiB")
+        http_port = free_port()
+        up = kvserve("up", "--detach", "--grpc-port", str(port), "--kv-cache-memory", "256MiB",
+                     "--http-port", str(http_port))
         assert up.returncode == 0, up.stdout + up.stderr
         assert f"127.0.0.1:{port}" in up.stdout
+        assert f"HTTP at http://127.0.0.1:{http_port}/v1" in up.stdout
+        assert "WARNING: no API keys" in up.stderr  # an open service says so
         assert "dashboard at http://127.0.0.1:" in up.stdout
         assert "kvserve down" in up.stdout
         state = local_head.read_state()

@@ -44,10 +44,11 @@ def _wait_for(lines: queue.Queue, needle: str, timeout: float) -> list[str]:
 def test_up_generate_status_and_sigterm_to_its_process_group(model_dir, tmp_path, monkeypatch):
     env = new_user_env(model_dir, tmp_path)
     monkeypatch.setenv("KVSERVE_CACHE_DIR", env["KVSERVE_CACHE_DIR"])  # read_state() below
-    port = free_port()
+    port, http_port = free_port(), free_port()
     started = time.time() - 1
     proc = subprocess.Popen(
-        [*KVSERVE, "up", "--grpc-port", str(port), "--kv-cache-memory", "256MiB"],
+        [*KVSERVE, "up", "--grpc-port", str(port), "--http-port", str(http_port),
+         "--kv-cache-memory", "256MiB", "--api-key", "sk-test:team"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
         start_new_session=True,  # its own process group, so the test can signal all of it
     )
@@ -64,16 +65,27 @@ def test_up_generate_status_and_sigterm_to_its_process_group(model_dir, tmp_path
         state = local_head.read_state()
         assert state is not None and state.started_head and state.head_alive()
         redis_dir = the_embedded_redis_dir(started)
-        target = f"127.0.0.1:{port}"
+        assert not any("no API keys" in line for line in seen)  # keys given: no warning
+        target, http = f"127.0.0.1:{port}", f"http://127.0.0.1:{http_port}"
         out = kvserve("generate", "The capital of France is", "--target", target,
-                      "--max-tokens", "8", "--json")
+                      "--max-tokens", "8", "--json", "--api-key", "sk-test")
         assert out.returncode == 0, out.stderr
         result = json.loads(out.stdout)
         assert len(result["token_ids"]) == 8 and result["finish_reason"] == "length"
         assert "Paris" in result["text"]
-        bad = kvserve("generate", "hi", "--target", target, "--top-p", "1.5")
-        assert bad.returncode == 2
-        assert "INVALID_ARGUMENT" in bad.stderr and "top_p" in bad.stderr
+        # the same greedy tokens over the OpenAI-compatible HTTP API
+        over_http = kvserve("generate", "The capital of France is", "--target", http,
+                            "--max-tokens", "8", "--json", "--api-key", "sk-test")
+        assert over_http.returncode == 0, over_http.stderr
+        assert json.loads(over_http.stdout)["token_ids"] == result["token_ids"]
+        for where in (target, http):
+            refused = kvserve("generate", "hi", "--target", where)  # no key
+            assert refused.returncode == 1
+            assert "UNAUTHENTICATED" in refused.stderr or "401" in refused.stderr
+            bad = kvserve("generate", "hi", "--target", where, "--top-p", "1.5",
+                          "--api-key", "sk-test")
+            assert bad.returncode == 2 and "top_p" in bad.stderr, bad.stderr
+        assert "INVALID_ARGUMENT" in bad.stderr or "400" in bad.stderr
         status = kvserve("status", "--json")  # the foreground deployment is recorded too
         assert status.returncode == 0, status.stderr
         assert json.loads(status.stdout)["grpc_port"] == port

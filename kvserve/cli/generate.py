@@ -1,11 +1,13 @@
 """`kvserve generate`: one completion, in-process (the engine flags build its EngineConfig) or
-streamed from a running deployment over gRPC (--target)."""
+streamed from a running deployment (--target): over gRPC for HOST:PORT, over the
+OpenAI-compatible HTTP API for http://HOST:PORT."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import os
 import sys
 from typing import Any
 
@@ -34,8 +36,11 @@ def add_generate(sub) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (text, token_ids, finish_reason, usage)")
-    p.add_argument("--target", default=None, metavar="HOST:PORT",
-                   help="stream from a running deployment over gRPC instead of in-process")
+    p.add_argument("--target", default=None, metavar="HOST:PORT|http://HOST:PORT",
+                   help="stream from a running deployment instead of in-process: over gRPC "
+                        "(HOST:PORT) or the OpenAI-compatible HTTP API (http://HOST:PORT)")
+    p.add_argument("--api-key", default=os.environ.get("KVSERVE_API_KEY"),
+                   help="the deployment's API key, with --target (default $KVSERVE_API_KEY)")
     add_engine_args(p)
     p.set_defaults(run=_run_generate)
 
@@ -49,8 +54,10 @@ def _run_generate(args: argparse.Namespace) -> int:
     }
     prompt = {"messages": [{"role": "user", "content": args.prompt}]} if args.chat else {
         "prompt": args.prompt}
+    if args.target and args.target.startswith(("http://", "https://")):
+        return _generate_http(args.target, prompt, params, args.json, args.api_key)
     if args.target:
-        return _generate_remote(args.target, prompt, params, args.json)
+        return _generate_remote(args.target, prompt, params, args.json, args.api_key)
     config = engine_config(args)
     from workers.model_executor.loader import resolve_model_dir
 
@@ -65,7 +72,8 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _generate_remote(target: str, prompt: dict, params: dict, as_json: bool) -> int:
+def _generate_remote(target: str, prompt: dict, params: dict, as_json: bool,
+                     api_key: str | None = None) -> int:
     import grpc
 
     from cluster.client import Client, finish_reason_name
@@ -73,7 +81,7 @@ def _generate_remote(target: str, prompt: dict, params: dict, as_json: bool) -> 
     params = {k: v for k, v in params.items() if v is not None and v != []}
     text, ids, last = [], [], None
     try:
-        with Client(target) as client:
+        with Client(target, api_key=api_key) as client:
             for msg in client.generate(prompt.get("prompt"), messages=prompt.get("messages"),
                                        **params):
                 text.append(msg.text)
@@ -96,6 +104,45 @@ def _generate_remote(target: str, prompt: dict, params: dict, as_json: bool) -> 
         print()
     return 0
 
+
+
+def _generate_http(target: str, prompt: dict, params: dict, as_json: bool,
+                   api_key: str | None) -> int:
+    """The same over HTTP: /v1/completions, or /v1/chat/completions with --chat."""
+    from cluster.http_client import HTTPStatusError
+
+    params = {k: v for k, v in params.items() if v is not None and v != []}
+    try:
+        result = asyncio.run(_stream_http(target, prompt, params, api_key, echo=not as_json))
+    except HTTPStatusError as exc:
+        print(f"kvserve: {exc}", file=sys.stderr)
+        return 2 if exc.status == 400 else 1
+    print(json.dumps(result) if as_json else "")
+    return 0
+
+
+async def _stream_http(target: str, prompt: dict, params: dict, api_key: str | None,
+                       echo: bool) -> dict:
+    from cluster.http_client import AsyncHTTPClient
+
+    text, ids, finish, usage = [], [], None, None
+    async with AsyncHTTPClient(target, api_key=api_key) as client:
+        chunks = client.chat(prompt["messages"], **params) if "messages" in prompt \
+            else client.completions(prompt["prompt"], **params)
+        async for chunk in chunks:
+            if chunk.get("usage"):
+                u = chunk["usage"]
+                usage = {"prompt_tokens": u["prompt_tokens"],
+                         "completion_tokens": u["completion_tokens"],
+                         "cached_tokens": u["prompt_tokens_details"]["cached_tokens"]}
+            for choice in chunk["choices"]:
+                piece = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+                text.append(piece)
+                ids += choice.get("token_ids", [])
+                finish = choice.get("finish_reason") or finish
+                if echo:
+                    print(piece, end="", flush=True)
+    return {"text": "".join(text), "token_ids": ids, "finish_reason": finish, "usage": usage}
 
 
 async def _stream(config: EngineConfig, prompt: dict, params: dict, echo: bool) -> dict:
