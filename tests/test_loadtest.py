@@ -47,6 +47,27 @@ def test_10s_of_8_users_fail_nothing_and_count_the_tokens_the_service_counted(tm
     assert (tmp_path / "report.html").stat().st_size > 0
 
 
+def test_http_users_stream_the_openai_api_and_count_the_tokens_the_service_counted(tmp_path):
+    """--protocol http: Locust's users stream /v1/chat/completions and /v1/completions through
+    Serve's HTTP proxy; every token they count, the service counted too."""
+    with serve_locally(DEFAULT_APP, reuse=True, name=APP) as served:
+        before = _service_tokens(served)
+        done = subprocess.run([*KVSERVE, "loadtest", "--protocol", "http", "--target",
+                               served.http_url, "--users", "4", "--spawn-rate", "4",
+                               "--run-time", "5s", "--workload", "mixed", "--out",
+                               str(tmp_path), "--json"],
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        summary = json.loads(done.stdout)
+        expected = summary["output_tokens"]
+        counted = poll(lambda: _service_tokens(served) - before,
+                       lambda n: abs(n - expected) <= 0.01 * expected, 30, 1.0)
+    assert summary["failures"] == {}, summary
+    assert summary["streams"] > 0 and summary["output_tokens"] > 0, summary
+    assert summary["ttft_p50_ms"] > 0 and summary["itl_p50_ms"] > 0
+    assert abs(counted - expected) <= 0.01 * expected, (counted, expected)
+
+
 def test_loadtest_help_explains_itself():
     from tests.test_cli import run
 

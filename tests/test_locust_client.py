@@ -79,3 +79,20 @@ def test_a_refusal_reaches_its_user_while_many_others_wait_for_first_tokens():
     assert float(seconds) < 2.0, f"refusal took {seconds} s behind {HELD_STREAMS} held streams"
     assert held == "['OK']"  # the held streams all completed
     assert time.monotonic() - start >= HOLD_S - 1  # they were really held meanwhile
+
+
+def test_every_workload_builds_its_requests():
+    """Each Locust workload makes a request from its seeded generator (the mixed workload read
+    its prose from a path that a package move had broken, and every `kvserve loadtest` with the
+    default workload failed in its users)."""
+    import random
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kvserve" / "bench" / "locust"))
+    import workloads
+
+    rng = random.Random(0)
+    for make in (workloads.short_chat, workloads.long_prompt, workloads.mixed):
+        request = make(rng)
+        assert request.params["max_tokens"] > 0
+        assert (request.prompt is None) != (request.messages is None)
+    assert workloads.Conversation(rng).next_request().messages

@@ -1,11 +1,13 @@
-"""`kvserve loadtest`: headless Locust over gRPC against a deployment, with a one-screen summary.
+"""`kvserve loadtest`: headless Locust over gRPC or HTTP against a deployment, with a one-screen
+summary.
 
 Runs `locust/locustfile.py` in its own process (gevent stays out of ours), writes Locust's
 CSV and HTML reports to `--out`, and summarises them: requests/s, output tokens/s, TTFT and ITL
 p50/p99 (from the streams' raw samples, by the percentile `kvserve bench serve` uses), failures
-by gRPC status and how fast they came. Without `--target` it starts a local
-deployment first (`kvserve up --detach`) and stops it afterwards (`kvserve down`). Given a way to
-read the replicas' status rows it also reports their resident memory (soak runs), and given
+by gRPC status (or HTTP status, HTTP_429) and how fast they came. Without `--target` it
+starts a local deployment first (`kvserve up --detach`) and stops it afterwards (`kvserve
+down`). Given a way to read the replicas' status rows it also reports their resident memory
+(soak runs), and given
 several user counts it runs one load per count (the baseline sweep, `loadtest_report`).
 """
 
@@ -44,6 +46,8 @@ class LoadtestConfig:
     seed: int = 0
     timeout_s: float = 600.0  # each stream's gRPC deadline
     warmup_s: float = 60.0  # memory growth is measured from here (capped at a quarter of the run)
+    protocol: str = "grpc"  # or "http": the OpenAI-compatible API (target http://HOST:PORT)
+    api_key: str | None = None
 
 
 @dataclass
@@ -83,7 +87,9 @@ def run_locust(cfg: LoadtestConfig) -> LoadtestSummary:
     tokens_file = cfg.out / "tokens.json"
     env = {**os.environ, "KVSERVE_TOKENS_FILE": str(tokens_file), "KVSERVE_SEED": str(cfg.seed),
            "KVSERVE_USERS": str(cfg.users), "KVSERVE_RUN_TIME_S": str(cfg.run_time_s),
-           "KVSERVE_TIMEOUT_S": str(cfg.timeout_s)}
+           "KVSERVE_TIMEOUT_S": str(cfg.timeout_s), "KVSERVE_PROTOCOL": cfg.protocol}
+    if cfg.api_key:
+        env["KVSERVE_API_KEY"] = cfg.api_key
     if cfg.shape:
         env["KVSERVE_SHAPE"] = cfg.shape
     start = time.monotonic()

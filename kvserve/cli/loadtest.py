@@ -1,9 +1,10 @@
-"""`kvserve loadtest`: headless Locust over gRPC, one load or a sweep of user counts."""
+"""`kvserve loadtest`: headless Locust over gRPC or HTTP, one load or a sweep of user counts."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -47,6 +48,11 @@ def add_loadtest(sub) -> None:
                    help="load shape over the run (default: all users for the whole run)")
     p.add_argument("--target", default=None, metavar="HOST:PORT",
                    help="a running deployment (default: start a local one)")
+    p.add_argument("--protocol", choices=["grpc", "http"], default="grpc",
+                   help="stream over gRPC (default) or the OpenAI-compatible HTTP API (then "
+                        "--target is http://HOST:PORT)")
+    p.add_argument("--api-key", default=os.environ.get("KVSERVE_API_KEY"),
+                   help="the deployment's API key (default $KVSERVE_API_KEY)")
     p.add_argument("--config", default=None, help="AppConfig / Serve config YAML for the local "
                                                   "deployment (default: 1 replica, defaults)")
     p.add_argument("--address", default=None, help="the target's Ray cluster, to read replica "
@@ -73,7 +79,8 @@ def run_loadtest(args: argparse.Namespace) -> int:
         cfg = LoadtestConfig(target=target, out=args.out, users=args.users[0],
                              spawn_rate=args.spawn_rate, run_time_s=args.run_time,
                              workload=args.workload, shape=args.shape, seed=args.seed,
-                             timeout_s=args.timeout, warmup_s=args.warmup)
+                             timeout_s=args.timeout, warmup_s=args.warmup,
+                             protocol=args.protocol, api_key=args.api_key)
         if len(args.users) == 1:
             summaries = [run_load(cfg, read_rss)]
         else:
@@ -96,7 +103,8 @@ def _deployment(args: argparse.Namespace) -> Iterator[tuple]:
         if local is None:
             yield None, None, None
             return
-        target = f"127.0.0.1:{local.grpc_port}"
+        target = (f"http://127.0.0.1:{local.http_port}" if args.protocol == "http"
+                  else f"127.0.0.1:{local.grpc_port}")
     try:
         read_rss, wait_idle = _ray_readers(args.address, local)
         yield target, read_rss, wait_idle
