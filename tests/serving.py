@@ -27,6 +27,7 @@ import grpc
 from cache_manager import actor as cache_manager
 from cluster import key_rings
 from cluster.app import GRPC_SERVICER_FUNCTIONS, build_app
+from cluster.client import call_metadata
 from cluster.local_head import free_port
 from kvserve.v1 import generation_pb2 as pb
 from kvserve.v1 import generation_pb2_grpc as pb_grpc
@@ -48,11 +49,12 @@ class Served:
     metrics_port: int
     http_url: str  # Serve's HTTP proxy: the OpenAI-compatible API
     app: str = APP  # the Serve application's name: gRPC metadata, cache-manager key
+    api_key: str | None = None  # sent with every call when the app has keys
 
     @property
     def metadata(self) -> tuple[tuple[str, str], ...]:
-        """The gRPC metadata that routes a call to this application."""
-        return (("application", self.app),)
+        """The gRPC metadata that routes a call to this application (and its API key)."""
+        return call_metadata(self.app, self.api_key)
 
     @property
     def manager_key(self) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -12,6 +13,7 @@ import pytest
 from pydantic import ValidationError
 
 from cluster.app import AppConfig
+from cluster.client import Client
 from kvserve.v1 import generation_pb2 as pb
 from tests.helpers import poll, solo_ids_each
 from tests.serving import Served, serve_locally
@@ -21,12 +23,27 @@ USES_SHARED_RAY = "2"  # tests/serving.py: run with the modules of this group
 pytestmark = pytest.mark.ray  # starts Ray, so also slow (tests/conftest.py)
 
 
+KEYS = """\
+tenants:
+  slow: {requests_per_s: 0.02}
+keys:
+  - {key: sk-acme, tenant: acme}
+  - {key: sk-bravo, tenant: bravo}
+  - {key: sk-slow, tenant: slow}
+"""
+
+
 @pytest.fixture(scope="module")
-def served() -> Served:
+def served(tmp_path_factory) -> Served:
     # two sequences at a time, so that a third request waits (the waiting gauge is exercised)
     # a deep queue: the cancel tests offer far more than 2 streams at once
+    # API keys (#18): every test calls with tenant acme's key (`served.api_key`), but the
+    # key tests at the end
+    keys = tmp_path_factory.mktemp("keys") / "keys.yaml"
+    keys.write_text(KEYS)
     with serve_locally({"kv_cache_memory": "256MiB", "max_num_seqs": 2,
-                        "max_waiting_requests": 64}) as served:
+                        "max_waiting_requests": 64, "api_keys_file": str(keys)}) as served:
+        served.api_key = "sk-acme"
         yield served
 
 
@@ -120,7 +137,7 @@ def test_async_client_streams_and_reports_errors(served):
     target = served.target
 
     async def scenario() -> None:
-        async with AsyncClient(target, application=served.app) as client:
+        async with AsyncClient(target, application=served.app, api_key=served.api_key) as client:
             chunks = [c async for c in client.generate("Hello", max_tokens=5, temperature=0)]
             assert sum(len(c.token_ids) for c in chunks) == 5
             assert (await client.model_info()).replicas == 1
@@ -206,7 +223,8 @@ def test_deadline_exceeded_aborts_the_request_and_frees_its_blocks(served):
 def _openai(served: Served):
     import openai
 
-    return openai.OpenAI(base_url=f"{served.http_url}/v1", api_key="unused", max_retries=0)
+    return openai.OpenAI(base_url=f"{served.http_url}/v1", api_key=served.api_key,
+                         max_retries=0)
 
 
 def test_greedy_is_the_same_tokens_over_http_grpc_and_in_process(served, real_engine):
@@ -272,10 +290,84 @@ def test_http_client_that_disconnects_mid_stream_frees_its_blocks_on_the_replica
                        "ignore_eos": True, "stream": True}).encode()
     with socket.create_connection((url.hostname, url.port)) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
-                     b"application/json\r\nContent-Length: " + str(len(body)).encode()
-                     + b"\r\n\r\n" + body)
+                     b"application/json\r\nAuthorization: Bearer sk-acme\r\n"
+                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
         seen = b""
         while seen.count(b"data: ") < 2:
             seen += sock.recv(4096)
         assert served.handle.kv_cache_usage.remote().result() > 0
     assert _wait_kv_free(served.handle, timeout=2.0) == 0
+
+
+# --- API keys and tenants (#18): both protocols on this deployment ---------------------------
+
+LONG = " ".join(f"Entry {i}: the ledger for account {i} balanced." for i in range(12))
+
+
+def _client(served, key: str | None) -> Client:
+    return Client(served.target, application=served.app, api_key=key)
+
+
+def _generate(served, key: str | None, prompt: str = "Hello", max_tokens: int = 2
+              ) -> list[pb.GenerateResponse]:
+    with _client(served, key) as client:
+        return list(client.generate(prompt, max_tokens=max_tokens, temperature=0))
+
+
+def _http(served, key: str | None, body: dict) -> tuple[int, dict]:
+    headers = {"Content-Type": "application/json"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    request = urllib.request.Request(f"{served.http_url}/v1/completions",
+                                     data=json.dumps(body).encode(), headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def test_no_key_or_a_wrong_one_never_reaches_the_engine(served):
+    before = served.handle.request_counts.remote().result()
+    for key in (None, "sk-wrong"):
+        with pytest.raises(grpc.RpcError) as err:
+            _generate(served, key)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert "sk-" not in err.value.details()
+        with pytest.raises(grpc.RpcError) as err:
+            _client(served, key).model_info()
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        status, body = _http(served, key, {"prompt": "Hello", "max_tokens": 2})
+        assert status == 401 and body["error"]["code"] == "invalid_api_key"
+    after = served.handle.request_counts.remote().result()
+    assert after == before, "a call without a valid key reached the replica or its engine"
+    assert _generate(served, "sk-acme")[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    status, _ = _http(served, "sk-acme", {"prompt": "Hello", "max_tokens": 2})
+    assert status == 200
+    now = served.handle.request_counts.remote().result()
+    assert now == {"generate_calls": before["generate_calls"] + 1,
+                   "engine_requests": before["engine_requests"] + 2}
+
+
+def test_tenants_hit_their_own_cached_prefix_and_never_another_tenants(served):
+    def cached(key: str) -> int:
+        return _generate(served, key, LONG)[-1].usage.cached_tokens
+
+    assert cached("sk-acme") == 0
+    assert cached("sk-bravo") == 0  # the same prompt, another tenant
+    assert cached("sk-acme") > 0 and cached("sk-bravo") > 0
+    status, body = _http(served, "sk-bravo", {"prompt": LONG, "max_tokens": 2})
+    assert status == 200 and body["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+def test_a_tenant_over_its_limit_is_refused_on_both_protocols_while_another_is_served(served):
+    _generate(served, "sk-slow")  # its one request for the next 50 s
+    before = served.handle.request_counts.remote().result()
+    with pytest.raises(grpc.RpcError) as err:
+        _generate(served, "sk-slow")
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "requests_per_s" in err.value.details()
+    assert served.handle.request_counts.remote().result() == before  # refused at the proxy
+    status, body = _http(served, "sk-slow", {"prompt": "Hello", "max_tokens": 2})
+    assert status == 429 and body["error"]["param"] == "requests_per_s"  # one budget
+    assert _generate(served, "sk-acme")[-1].finish_reason == pb.FINISH_REASON_LENGTH

@@ -3,33 +3,26 @@
     python -m evals.harness.compare LM_EVAL_OUTPUT_DIR [--model M]
 
 Reads the samples lm-eval logged (`--log_samples`) for the `kvserve_closed_book` task, asks the
-in-process engine the same prompts with the same generation settings (greedy, `until` as stop
-strings, `max_gen_toks`), and prints, as JSON: how many answers are identical, both exact-match
-scores (lm-eval's normalisation: case, punctuation and spaces ignored), and any differing
-answer. Exit 0 only when every answer is the same, so the harness scored what the engine says.
+in-process engine the same prompts (chat messages, with `local-chat-completions`; plain text
+with `local-completions`) with the same generation settings (greedy, `until` as stop strings,
+`max_gen_toks`), and prints, as JSON: how many answers are identical, both scores (the task's
+own `utils.contains_answer`), and any differing answer. Exit 0 only when every answer is the
+same, so the harness scored exactly what the engine says.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import re
-import string
 import sys
 from pathlib import Path
 from typing import Any
 
+from evals.harness.utils import contains_answer
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
 
 TASK = "kvserve_closed_book"
-
-
-def normalise(text: str) -> str:
-    """lm-eval's exact_match with this task's options: spaces removed, lower case, no
-    punctuation."""
-    text = re.sub(" ", "", text).lower()
-    return text.translate(str.maketrans("", "", string.punctuation))
 
 
 def read_samples(output_dir: Path) -> list[dict[str, Any]]:
@@ -45,7 +38,10 @@ def engine_answers(engine: LLMEngine, samples: list[dict[str, Any]]) -> list[str
     for i, sample in enumerate(samples):
         prompt, kwargs = sample["arguments"]["gen_args_0"]["arg_0"], \
             sample["arguments"]["gen_args_0"]["arg_1"]
-        requests.append({"prompt": prompt, "request_id": f"s{i}", "params": {
+        # chat: a list holding the messages as JSON text; plain completions: the prompt text
+        source = {"messages": json.loads(prompt[0])} if isinstance(prompt, list) \
+            else {"prompt": prompt}
+        requests.append({**source, "request_id": f"s{i}", "params": {
             "temperature": 0.0, "max_tokens": kwargs.get("max_gen_toks", 16),
             "stop": list(kwargs.get("until", []))}})
     outputs = engine.generate_all(requests)
@@ -54,18 +50,17 @@ def engine_answers(engine: LLMEngine, samples: list[dict[str, Any]]) -> list[str
 
 def compare(samples: list[dict[str, Any]], answers: list[str]) -> dict[str, Any]:
     harness = [s["resps"][0][0] for s in samples]
-    targets = [s["target"] for s in samples]
     differ = [{"doc": s["doc_id"], "harness": h, "engine": a}
               for s, h, a in zip(samples, harness, answers, strict=True) if h != a]
 
     def score(texts: list[str]) -> float:
-        hits = [normalise(t) == normalise(g) for t, g in zip(texts, targets, strict=True)]
+        hits = [contains_answer(t, s["doc"]["answers"])
+                for t, s in zip(texts, samples, strict=True)]
         return sum(hits) / len(hits)
 
     return {"samples": len(samples), "identical": len(samples) - len(differ),
-            "harness_logged_exact_match": sum(s["exact_match"] for s in samples) / len(samples),
-            "harness_exact_match": score(harness), "engine_exact_match": score(answers),
-            "differ": differ}
+            "harness_score": sum(s["contains_answer"] for s in samples) / len(samples),
+            "engine_score": score(answers), "differ": differ}
 
 
 def main(argv: list[str] | None = None) -> int:
