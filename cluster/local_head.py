@@ -137,10 +137,21 @@ def disconnect_driver() -> None:
             ray.shutdown()
 
 
+# Ray's fixed default ports (GCS, dashboard, client server, dashboard agent): Ray's processes
+# bind them after a caller picked its ports, so a port picked free may not stay free. The agent's
+# 52365 lies in Linux's ephemeral range: CI once drew it for Serve's gRPC proxy, which then
+# failed to bind.
+RAY_DEFAULT_PORTS = frozenset({6379, 8265, 10001, 52365})
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free on loopback now, never one of Ray's own defaults."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in RAY_DEFAULT_PORTS:
+            return port
 
 
 def num_cpus_for(cpus_needed: float) -> int:

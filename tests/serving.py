@@ -107,7 +107,7 @@ def _start_cluster(env: dict[str, str]) -> _Cluster:
     from ray import serve
     from ray.serve.config import gRPCOptions
 
-    metrics_port, port, http_port = free_port(), free_port(), free_port()
+    metrics_port = free_port()
     ray.init(
         num_cpus=CLUSTER_CPUS,
         include_dashboard=False,
@@ -118,10 +118,16 @@ def _start_cluster(env: dict[str, str]) -> _Cluster:
         # explicitly too, so the cluster's environment is what `env` says
         runtime_env={"env_vars": env} if env else None,
     )
-    serve.start(
-        grpc_options=gRPCOptions(port=port, grpc_servicer_functions=GRPC_SERVICER_FUNCTIONS),
-        http_options={"host": "127.0.0.1", "port": http_port},
-    )
+    port, http_port = free_port(), free_port()  # after Ray's processes took theirs
+    try:
+        serve.start(
+            grpc_options=gRPCOptions(port=port, grpc_servicer_functions=GRPC_SERVICER_FUNCTIONS),
+            http_options={"host": "127.0.0.1", "port": http_port},
+        )
+    except BaseException:  # one failed start must not fail every later test (ray.init twice)
+        serve.shutdown()
+        ray.shutdown()
+        raise
     STARTS["cluster"] += 1
     return _Cluster(metrics_port, port, http_port, dict(env),
                     grpc.insecure_channel(f"127.0.0.1:{port}"))

@@ -107,3 +107,25 @@ def test_a_driver_keeps_the_sigterm_handler_it_had(tmp_path):
     assert out.stdout.split("\n")[:2] == ["connected interrupted", "disconnected interrupted"], (
         out.returncode, out.stdout, out.stderr[-2000:])
     assert out.returncode == 0
+
+
+def test_free_port_never_hands_out_one_of_rays_default_ports(monkeypatch):
+    """Ray's dashboard agent binds 52365 after we pick our ports: a port picked free there
+    once failed Serve's gRPC proxy in CI."""
+    drawn = iter([52365, 6379, 40001])
+
+    class Drawn:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def bind(self, address):
+            self.port = next(drawn)
+
+        def getsockname(self):
+            return ("127.0.0.1", self.port)
+
+    monkeypatch.setattr(local_head.socket, "socket", Drawn)
+    assert local_head.free_port() == 40001

@@ -172,11 +172,13 @@ def test_logprobs_are_present_and_name_the_sampled_tokens(local):
     ({"max_tokens": 10**6}, "max_tokens"),
     ({"extra_body": {"top_k": "many"}}, "top_k"),
     ({"logit_bias": {"42": 1.0}}, "logit_bias"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": [[]]}, "prompt"),
 ])
 def test_a_bad_parameter_is_a_bad_request_naming_it(local, kwargs, param):
     with pytest.raises(openai.BadRequestError) as err:
-        local.client.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT,
-                                        **{"max_tokens": 4, **kwargs})
+        local.client.completions.create(model="SmolLM2-135M-Instruct",
+                                        **{"prompt": PROMPT, "max_tokens": 4, **kwargs})
     assert err.value.status_code == 400
     assert err.value.body["param"] == param, err.value.body
 
@@ -333,3 +335,27 @@ def test_keys_tenants_and_limits_over_http(real_checkpoint, tmp_path):
             ask("sk-thrifty")
         assert err.value.body["param"] == "tokens_per_min"
         ask("sk-b")
+
+
+def test_a_replica_that_cannot_serve_answers_503_in_openais_shape(make_tiny_engine):
+    """After its engine shut down (Serve stopping the replica) or died: /health and the
+    generation endpoints answer 503 `service_unavailable_error`, not 500."""
+    import asyncio
+
+    from cluster.openai.protocol import CompletionRequest, OpenAIError
+
+    core = AsyncLLMEngine(make_tiny_engine())
+    serving = OpenAIServing(core, served_model_name="tiny")
+    serving.health()  # a fresh engine is healthy
+
+    async def after_shutdown() -> None:
+        await core.shutdown()
+        with pytest.raises(OpenAIError) as err:
+            await serving.completions(CompletionRequest(prompt=[1, 2, 3], max_tokens=2))
+        assert err.value.status == 503 and err.value.type == "service_unavailable_error"
+
+    asyncio.run(after_shutdown())
+    with pytest.raises(OpenAIError) as err:
+        serving.health()
+    assert err.value.status == 503 and err.value.body()["error"]["type"] == \
+        "service_unavailable_error"

@@ -9,6 +9,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import openai
 import pytest
 from pydantic import ValidationError
 
@@ -220,10 +221,8 @@ def test_deadline_exceeded_aborts_the_request_and_frees_its_blocks(served):
 
 # --- the OpenAI-compatible HTTP API behind Serve's HTTP proxy (#18) ---------------------------
 
-def _openai(served: Served):
-    import openai
-
-    return openai.OpenAI(base_url=f"{served.http_url}/v1", api_key=served.api_key,
+def _openai(served: Served, api_key: str | None = None) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{served.http_url}/v1", api_key=api_key or served.api_key,
                          max_retries=0)
 
 
@@ -258,8 +257,6 @@ def test_greedy_is_the_same_tokens_over_http_grpc_and_in_process(served, real_en
 
 
 def test_openai_sdk_streams_chat_through_the_http_proxy(served):
-    import openai
-
     client = _openai(served)
     messages = [{"role": "user", "content": "Say hello."}]
     chunks = list(client.chat.completions.create(
@@ -339,6 +336,9 @@ def test_no_key_or_a_wrong_one_never_reaches_the_engine(served):
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
         status, body = _http(served, key, {"prompt": "Hello", "max_tokens": 2})
         assert status == 401 and body["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):  # what the official SDK raises
+        _openai(served, "sk-wrong").completions.create(model="SmolLM2-135M-Instruct",
+                                                       prompt="Hello", max_tokens=2)
     after = served.handle.request_counts.remote().result()
     assert after == before, "a call without a valid key reached the replica or its engine"
     assert _generate(served, "sk-acme")[-1].finish_reason == pb.FINISH_REASON_LENGTH
@@ -368,6 +368,9 @@ def test_a_tenant_over_its_limit_is_refused_on_both_protocols_while_another_is_s
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "requests_per_s" in err.value.details()
     assert served.handle.request_counts.remote().result() == before  # refused at the proxy
-    status, body = _http(served, "sk-slow", {"prompt": "Hello", "max_tokens": 2})
-    assert status == 429 and body["error"]["param"] == "requests_per_s"  # one budget
+    with pytest.raises(openai.RateLimitError) as limited:  # one budget for both protocols
+        _openai(served, "sk-slow").completions.create(model="SmolLM2-135M-Instruct",
+                                                      prompt="Hello", max_tokens=2)
+    assert limited.value.body["param"] == "requests_per_s"
+    assert int(limited.value.response.headers["retry-after"]) >= 1
     assert _generate(served, "sk-acme")[-1].finish_reason == pb.FINISH_REASON_LENGTH

@@ -95,6 +95,8 @@ class CompletionRequest(SamplingFields):
             return "best_of", "best_of must equal n (kvserve returns every sample)"
         if self.echo and self.logprobs is not None:
             return "echo", "echo with logprobs would need prompt logprobs, which are not computed"
+        if not self.prompts():
+            return "prompt", "must not be empty"
         return super().refused()
 
     def prompts(self) -> list[str | list[int]]:
