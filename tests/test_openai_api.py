@@ -323,6 +323,17 @@ def test_keys_tenants_and_limits_over_http(real_checkpoint, tmp_path):
         assert cached("sk-a") == full and cached("sk-b") == full  # each its own hits
         assert len(opened) == 4
 
+        # n=3: samples 1 and 2 start from the prompt blocks sample 0 cached (all three at once
+        # would each compute the whole prompt in one step)
+        fresh = "Z " + LONG_PROMPT
+        blocks = (len(engine.tokenize(prompt=fresh)) - 1) // engine.info.block_size
+        hits = engine.kv_stats().prefix_hit_tokens
+        three = client("sk-a").completions.create(model="SmolLM2-135M-Instruct", prompt=fresh,
+                                                  temperature=0, max_tokens=2, n=3)
+        assert len(three.choices) == 3 and len({c.text for c in three.choices}) == 1  # greedy
+        assert engine.kv_stats().prefix_hit_tokens - hits == 2 * blocks * engine.info.block_size
+        opened.clear()
+
         ask("sk-slow")  # the bucket's one request
         with pytest.raises(openai.RateLimitError) as err:
             ask("sk-slow")

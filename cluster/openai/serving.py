@@ -10,8 +10,8 @@ Why each choice:
   raises when it takes a request (bad parameter, queue full, shutting down) is answered with
   its own HTTP status, never as a 200 whose stream carries an error. Errors after that (the
   replica died under the stream) are sent as an SSE `error` event, as vLLM does.
-- `n` > 1 runs n engine requests with the same prompt (sample j seeded `seed + j`), in one
-  batch.
+- `n` > 1 runs n engine requests with the same prompt (sample j seeded `seed + j`); sample 0
+  first, so that the others start from its cached prompt blocks.
 - Leaving a stream early (the client went away, Serve cancelled the handler) closes every
   engine stream, which aborts its request and frees its KV blocks.
 """
@@ -261,29 +261,34 @@ class OpenAIServing:
                      max_tokens: Callable[[int], int], logprobs: int | None,
                      rename: dict[str, str], tenant: str | None) -> list[_Sample]:
         """Open n streams per prompt and await each one's first output (see the module's
-        docstring); on any error close the ones opened, then raise it OpenAI-shaped."""
+        docstring); on any error close the ones opened, then raise it OpenAI-shaped.
+
+        Sample 0 of each prompt goes first: once it has its first token its prompt blocks are
+        cached, and samples 1..n-1, opened then, start from them (with prefix caching on)
+        instead of computing the same prompt n times in one step."""
         request_id = new_id("req")
+        salt = req.cache_salt or tenant
+
+        def open_sample(p: int, ids: list[int], j: int) -> _Sample:
+            params = _engine_params(req, max_tokens(len(ids)), logprobs, j)
+            index = p * req.n + j
+            stream = self.observe(self.engine.generate(
+                prompt_token_ids=ids, params=params, cache_salt=salt,
+                request_id=f"{request_id}-{index}"))
+            return _Sample(index, ids, stream)
+
         samples: list[_Sample] = []
-        for p, ids in enumerate(prompts):
-            for j in range(req.n):
-                params = _engine_params(req, max_tokens(len(ids)), logprobs, j)
-                stream = self.observe(self.engine.generate(
-                    prompt_token_ids=ids, params=params, cache_salt=req.cache_salt or tenant,
-                    request_id=f"{request_id}-{p * req.n + j}"))
-                samples.append(_Sample(p * req.n + j, ids, stream))
-        firsts: list[asyncio.Future] = [asyncio.ensure_future(anext(s.stream)) for s in samples]
         try:
-            for s, out in zip(samples, await asyncio.gather(*firsts), strict=True):
-                s.add(out)
-                s.first = out
+            for wave in (range(1), range(1, req.n)):
+                opened = [open_sample(p, ids, j) for p, ids in enumerate(prompts) for j in wave]
+                samples += opened
+                await _first_outputs(opened)
         except BaseException as exc:
-            for f in firsts:  # a generator must stop running before it can be closed
-                f.cancel()
-            await asyncio.gather(*firsts, return_exceptions=True)
             await _close(samples)
             if isinstance(exc, Exception):
                 raise openai_error(exc, rename) from exc
             raise
+        samples.sort(key=lambda s: s.index)
         return samples
 
     def _stream(self, samples: list[_Sample], head: dict[str, Any], n: int,
@@ -362,6 +367,21 @@ def _usage(samples: list[_Sample], n: int) -> dict[str, Any]:
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+async def _first_outputs(samples: list[_Sample]) -> None:
+    """Await every sample's first output; on an error stop the others' waits (a generator must
+    stop running before it can be closed) and raise it."""
+    firsts: list[asyncio.Future] = [asyncio.ensure_future(anext(s.stream)) for s in samples]
+    try:
+        for s, out in zip(samples, await asyncio.gather(*firsts), strict=True):
+            s.add(out)
+            s.first = out
+    except BaseException:
+        for f in firsts:
+            f.cancel()
+        await asyncio.gather(*firsts, return_exceptions=True)
+        raise
 
 
 async def _merged(samples: list[_Sample]) -> AsyncIterator[tuple[_Sample, RequestOutput]]:
