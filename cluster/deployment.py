@@ -22,7 +22,6 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import FastAPI
 from ray import serve
 from ray.serve.grpc_util import RayServegRPCContext
 
@@ -65,7 +64,8 @@ class GenerationDeployment:
         # before anything reports on the engine: metrics and the cache manager never see it
         self.warm_up = await _warm_up(self.async_engine)
         self.metrics = ServiceMetrics(self.engine.info.name)
-        self.counts = {"generate_calls": 0, "engine_requests": 0}  # what reached this replica
+        # what reached this replica: gRPC Generate calls, HTTP requests, engine requests
+        self.counts = {"generate_calls": 0, "http_requests": 0, "engine_requests": 0}
         self.gate, self.limiter = await _start_gate(api_keys_file)
         self.service = GenerationService(self.async_engine, replicas=replicas,
                                          stream_coalesce_ms=stream_coalesce_ms,
@@ -92,10 +92,10 @@ class GenerationDeployment:
         metadata = dict(grpc_context.invocation_metadata())
         return self.gate.tenant(metadata.get("authorization"))
 
-    def __serve_build_asgi_app__(self) -> FastAPI:
+    def __serve_build_asgi_app__(self) -> Any:
         """Serve's HTTP proxy sends this replica's HTTP requests to this app (OpenAI's API),
         behind the same keys and tenant limits as gRPC."""
-        return build_openai_app(self.openai, gate=self.gate)
+        return _Counted(build_openai_app(self.openai, gate=self.gate), self.counts)
 
     async def check_health(self) -> None:
         """Serve's health check, every `health_check_period_s`: raising marks the replica
@@ -169,8 +169,8 @@ class GenerationDeployment:
         return self.kv_reporter.state()
 
     def request_counts(self) -> dict[str, int]:
-        """gRPC Generate calls that reached this replica, and engine requests it opened (either
-        protocol): a call refused at the proxy or at the gate counts in neither."""
+        """gRPC Generate calls and HTTP requests that reached this replica, and engine requests
+        it opened (either protocol): a call refused at a proxy counts in none of them."""
         return dict(self.counts)
 
     def kv_stats(self) -> dict:
@@ -200,6 +200,18 @@ class GenerationDeployment:
 
         self.engine.step = failing_step  # type: ignore[method-assign]
         return self.status_publisher.replica_id
+
+
+class _Counted:
+    """The replica's ASGI app, counting the HTTP requests that reach it."""
+
+    def __init__(self, app: Any, counts: dict[str, int]) -> None:
+        self.app, self.counts = app, counts
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            self.counts["http_requests"] += 1
+        await self.app(scope, receive, send)
 
 
 async def _start_gate(api_keys_file: str | None) -> tuple[Gate, Any]:

@@ -39,6 +39,30 @@ def read(app: str) -> KeyRing:
     return OPEN if raw is None else KeyRing.from_json(raw.decode())
 
 
+_all: tuple[float, KeyRing] | None = None
+
+
+async def all_rings_gate() -> KeyRing:
+    """Every application's ring merged (the HTTP proxy's check), re-read every REFRESH_S."""
+    global _all
+    now = time.monotonic()
+    if _all is None or now - _all[0] >= REFRESH_S:
+        _all = (now, await asyncio.to_thread(read_all))
+    return _all[1]
+
+
+def read_all() -> KeyRing:
+    """The union of every published ring: a key valid for any application."""
+    digests: dict[str, str] = {}
+    tenants: dict = {}
+    for raw in ray_compat.kv_get_prefix("", namespace=NAMESPACE):
+        if raw is not None:
+            ring = KeyRing.from_json(raw.decode())
+            digests |= ring.digests
+            tenants |= ring.tenants
+    return KeyRing(digests, tenants)
+
+
 class ProxyGates:
     """The gRPC proxy's gate per application: its ring, and its limiter actor for tenants
     with limits, each re-read every REFRESH_S."""

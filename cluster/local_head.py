@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from cluster.http_ingress import PROXY_CALLBACK, PROXY_CALLBACK_ENV
 from cluster.ray_compat import reload_auth_config, sigterm_handler_kept
 from kvserve.process import cmdline, die_with_parent, pid_alive
 from workers.config import cache_root
@@ -175,7 +176,8 @@ def start_head(num_cpus: int, timeout: float = 120, fate_share: bool = False) ->
         f"--dashboard-agent-listen-port={free_port()}", f"--temp-dir={temp_dir}",
     ]
     # a one-node head has nowhere to drain replicas to: stop at once on SIGTERM
-    env = os.environ | auth_env(temp_dir) | {"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
+    env = os.environ | auth_env(temp_dir) | {"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
+                                              PROXY_CALLBACK_ENV: PROXY_CALLBACK}
     for name in ("RAY_ADDRESS", "RAY_AUTH_TOKEN"):
         env.pop(name, None)
     log = open(Path(temp_dir) / "ray-start.log", "w")  # noqa: SIM115 - handed to the child

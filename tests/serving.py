@@ -16,6 +16,7 @@ this one)."""
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import urllib.request
 from collections.abc import Iterator
@@ -28,6 +29,7 @@ from cache_manager import actor as cache_manager
 from cluster import key_rings
 from cluster.app import GRPC_SERVICER_FUNCTIONS, build_app
 from cluster.client import call_metadata
+from cluster.http_ingress import PROXY_CALLBACK, PROXY_CALLBACK_ENV
 from cluster.local_head import free_port
 from kvserve.v1 import generation_pb2 as pb
 from kvserve.v1 import generation_pb2_grpc as pb_grpc
@@ -108,6 +110,9 @@ def _start_cluster(env: dict[str, str]) -> _Cluster:
     from ray.serve.config import gRPCOptions
 
     metrics_port = free_port()
+    # the HTTP proxy's key check (cluster/http_ingress.py), read by the proxy at its start:
+    # Ray's processes inherit this driver's environment
+    os.environ[PROXY_CALLBACK_ENV] = PROXY_CALLBACK
     ray.init(
         num_cpus=CLUSTER_CPUS,
         include_dashboard=False,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
@@ -103,3 +104,38 @@ def test_the_gate_admits_only_tenants_within_their_limits():
         assert (await gate.admit("Bearer sk-a")).name == "acme"
 
     asyncio.run(run())
+
+
+def test_the_http_proxy_middleware_refuses_a_bad_key_without_forwarding():
+    """cluster/http_ingress.KeyCheck, as Serve's HTTP proxy runs it: 401 in OpenAI's shape and
+    the app never called; a valid key, an open cluster and /health pass through."""
+    from cluster.http_ingress import KeyCheck
+
+    forwarded: list[str] = []
+
+    async def app(scope, receive, send):
+        forwarded.append(scope["path"])
+
+    def call(ring: KeyRing, path: str, key: str | None) -> list[dict]:
+        async def rings():
+            return ring
+
+        sent: list[dict] = []
+
+        async def send(message):
+            sent.append(message)
+
+        headers = [(b"authorization", f"Bearer {key}".encode())] if key else []
+        scope = {"type": "http", "path": path, "headers": headers}
+        asyncio.run(KeyCheck(app, rings)(scope, None, send))
+        return sent
+
+    ring = load_key_ring(["sk-a:acme"], env={})
+    sent = call(ring, "/v1/completions", "sk-wrong")
+    assert sent[0]["status"] == 401 and forwarded == []
+    assert json.loads(sent[1]["body"])["error"]["code"] == "invalid_api_key"
+    assert call(ring, "/v1/completions", None)[0]["status"] == 401 and forwarded == []
+    call(ring, "/v1/completions", "sk-a")
+    call(ring, "/health", None)
+    call(load_key_ring([], env={}), "/v1/models", None)
+    assert forwarded == ["/v1/completions", "/health", "/v1/models"]

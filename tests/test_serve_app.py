@@ -346,6 +346,7 @@ def test_no_key_or_a_wrong_one_never_reaches_the_engine(served):
     assert status == 200
     now = served.handle.request_counts.remote().result()
     assert now == {"generate_calls": before["generate_calls"] + 1,
+                   "http_requests": before["http_requests"] + 1,
                    "engine_requests": before["engine_requests"] + 2}
 
 
