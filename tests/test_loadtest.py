@@ -24,37 +24,14 @@ def _service_tokens(served) -> float:
     return sum(v for _, v in served.metrics().get("ray_kvserve_generation_tokens_total", []))
 
 
-def test_10s_of_8_users_fail_nothing_and_count_the_tokens_the_service_counted(tmp_path):
+def _load_and_count(tmp_path, *flags: str) -> tuple[dict, float]:
+    """`kvserve loadtest FLAGS --json` against the shared default app: its summary, and the
+    output tokens the service's own metric counted meanwhile (it reaches Prometheus about once
+    a second, so it is polled until it agrees or 30 s passed)."""
     with serve_locally(DEFAULT_APP, reuse=True, name=APP) as served:
         before = _service_tokens(served)
-        done = subprocess.run([*KVSERVE, "loadtest", "--target", served.target, "--users", "8",
-                               "--spawn-rate", "8", "--run-time", "10s", "--workload", "short",
-                               "--out", str(tmp_path), "--json"],
-                              capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, done.stderr[-3000:]
-        summary = json.loads(done.stdout)
-        # metrics reach Prometheus about once a second
-        expected = summary["output_tokens"]
-        counted = poll(lambda: _service_tokens(served) - before,
-                       lambda n: abs(n - expected) <= 0.01 * expected, 30, 1.0)
-    assert summary["failures"] == {}, summary
-    rows = {r["Name"]: r for r in csv.DictReader((tmp_path / "locust_stats.csv").open())}
-    assert int(rows["TTFT"]["Request Count"]) > 0 and int(rows["stream"]["Request Count"]) > 0
-    assert int(rows["stream"]["Failure Count"]) == 0
-    assert summary["output_tokens"] > 0 and summary["ttft_p50_ms"] > 0
-    assert abs(counted - summary["output_tokens"]) <= 0.01 * summary["output_tokens"], (
-        counted, summary["output_tokens"])
-    assert (tmp_path / "report.html").stat().st_size > 0
-
-
-def test_http_users_stream_the_openai_api_and_count_the_tokens_the_service_counted(tmp_path):
-    """--protocol http: Locust's users stream /v1/chat/completions and /v1/completions through
-    Serve's HTTP proxy; every token they count, the service counted too."""
-    with serve_locally(DEFAULT_APP, reuse=True, name=APP) as served:
-        before = _service_tokens(served)
-        done = subprocess.run([*KVSERVE, "loadtest", "--protocol", "http", "--target",
-                               served.http_url, "--users", "4", "--spawn-rate", "4",
-                               "--run-time", "5s", "--workload", "mixed", "--out",
+        target = served.http_url if "http" in flags else served.target
+        done = subprocess.run([*KVSERVE, "loadtest", "--target", target, *flags, "--out",
                                str(tmp_path), "--json"],
                               capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stderr[-3000:]
@@ -63,9 +40,26 @@ def test_http_users_stream_the_openai_api_and_count_the_tokens_the_service_count
         counted = poll(lambda: _service_tokens(served) - before,
                        lambda n: abs(n - expected) <= 0.01 * expected, 30, 1.0)
     assert summary["failures"] == {}, summary
-    assert summary["streams"] > 0 and summary["output_tokens"] > 0, summary
-    assert summary["ttft_p50_ms"] > 0 and summary["itl_p50_ms"] > 0
+    assert summary["output_tokens"] > 0 and summary["ttft_p50_ms"] > 0, summary
     assert abs(counted - expected) <= 0.01 * expected, (counted, expected)
+    return summary, counted
+
+
+def test_10s_of_8_users_fail_nothing_and_count_the_tokens_the_service_counted(tmp_path):
+    _load_and_count(tmp_path, "--users", "8", "--spawn-rate", "8", "--run-time", "10s",
+                    "--workload", "short")
+    rows = {r["Name"]: r for r in csv.DictReader((tmp_path / "locust_stats.csv").open())}
+    assert int(rows["TTFT"]["Request Count"]) > 0 and int(rows["stream"]["Request Count"]) > 0
+    assert int(rows["stream"]["Failure Count"]) == 0
+    assert (tmp_path / "report.html").stat().st_size > 0
+
+
+def test_http_users_stream_the_openai_api_and_count_the_tokens_the_service_counted(tmp_path):
+    """--protocol http: Locust's users stream /v1/chat/completions and /v1/completions through
+    Serve's HTTP proxy; every token they count, the service counted too."""
+    summary, _ = _load_and_count(tmp_path, "--protocol", "http", "--users", "4",
+                                 "--spawn-rate", "4", "--run-time", "5s", "--workload", "mixed")
+    assert summary["streams"] > 0 and summary["itl_p50_ms"] > 0
 
 
 def test_loadtest_help_explains_itself():
