@@ -52,6 +52,10 @@ class Tenant:
     requests_per_s: float | None = None  # None: no limit
     tokens_per_min: float | None = None
 
+    @property
+    def limited(self) -> bool:
+        return self.requests_per_s is not None or self.tokens_per_min is not None
+
 
 def digest(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
@@ -71,6 +75,11 @@ class KeyRing:
     @property
     def open(self) -> bool:
         return not self.digests
+
+    @property
+    def limited(self) -> bool:
+        """Whether any tenant has a limit (then the application needs its limiter)."""
+        return any(t.limited for t in self.tenants.values())
 
     def authenticate(self, authorization: str | None) -> Tenant | None:
         """The tenant of `authorization` ("Bearer KEY"); None when the ring is open; raises
@@ -190,8 +199,7 @@ class Gate:
     async def admit(self, authorization: str | None, limits: bool = True) -> Tenant | None:
         """The caller's tenant (None when open); raises AuthError or RateLimited."""
         tenant = self.ring.authenticate(authorization)
-        has_limits = tenant is not None and (tenant.requests_per_s is not None
-                                             or tenant.tokens_per_min is not None)
+        has_limits = tenant is not None and tenant.limited
         if limits and has_limits and self._admit is not None:
             refusal = await self._admit(tenant.name)
             if refusal is not None:

@@ -222,8 +222,7 @@ async def _start_gate(api_keys_file: str | None) -> tuple[Gate, Any]:
     key_rings.publish(app, ring)
     if ring.open:
         return OPEN_GATE, None
-    limits = any(t.requests_per_s or t.tokens_per_min for t in ring.tenants.values())
-    if not limits:
+    if not ring.limited:
         return Gate(ring), None
     actor = tenant_limits.limiter(app)
     await actor.configure.remote(ring.tenants)

@@ -83,8 +83,7 @@ class ProxyGates:
 
 def _ring_and_limiter(app: str) -> tuple[KeyRing, Any]:
     ring = read(app)
-    limited = any(t.requests_per_s or t.tokens_per_min for t in ring.tenants.values())
-    return ring, existing_limiter(app) if limited else None
+    return ring, existing_limiter(app) if ring.limited else None
 
 
 def _admit_by(actor: Any) -> Any:
