@@ -37,7 +37,7 @@ def _engine_fields() -> dict[str, Any]:
     fields: dict[str, Any] = {}
     for spec in engine_settings():
         kind: Any = spec.type
-        bounds = {"gt": spec.info.gt, "le": spec.info.le}
+        bounds = {"gt": spec.info.gt, "ge": spec.info.ge, "le": spec.info.le}
         if spec.info.choices:
             kind = Literal[spec.info.choices]
         elif spec.info.memory:  # "1GiB" or bytes: parsed, then bounded, by EngineConfig

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from ray.serve.metrics import Counter, Gauge, Histogram
 
 from workers.core.outputs import KVCacheStats, RequestOutput
+from workers.core.timeline import StepTotals
 from workers.engine import LLMEngine
 
 LATENCY_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -21,6 +22,8 @@ METRIC_NAMES = (
     "kvserve_e2e_request_latency_seconds", "kvserve_num_requests_running",
     "kvserve_num_requests_waiting", "kvserve_kv_cache_usage_perc", "kvserve_prompt_tokens_total",
     "kvserve_generation_tokens_total", "kvserve_request_success_total",
+    # the step-time breakdown (#19): seconds per step phase, and steps run
+    "kvserve_step_phase_seconds_total", "kvserve_engine_steps_total",
 )
 # the KV cache's own (issue #4): tokens for prefix caching, blocks and bytes for the host tier
 KV_CACHE_METRIC_NAMES = (
@@ -70,11 +73,16 @@ class ServiceMetrics:
         self.generation_tokens = Counter(METRIC_NAMES[7], "Tokens generated.", tags)
         self.success = Counter(METRIC_NAMES[8], "Finished requests by reason.",
                                ("model", "finished_reason"))
+        self.step_phase_seconds = Counter(
+            METRIC_NAMES[9], "Seconds the engine's steps spent in each phase (schedule, copy, "
+            "prepare, forward, sample, detokenize).", ("model", "phase"))
+        self.steps = Counter(METRIC_NAMES[10], "Engine steps that computed something.", tags)
         self.kv_metrics = _kv_cache_metrics(tags)
         self._last_kv = KVCacheStats(*[0] * len(dataclasses.fields(KVCacheStats)))
+        self._last_steps = StepTotals(0, {})
         for metric in (self.ttft, self.itl, self.e2e, self.running, self.waiting, self.kv_usage,
                        self.prompt_tokens, self.generation_tokens, self.success,
-                       *self.kv_metrics):
+                       self.step_phase_seconds, self.steps, *self.kv_metrics):
             metric.set_default_tags({"model": model})
 
     def update_gauges(self, engine: LLMEngine) -> None:
@@ -92,6 +100,16 @@ class ServiceMetrics:
         if stats.host_blocks:
             self.kv_metrics[2].set(stats.host_used / stats.host_blocks)
         self._last_kv = stats
+
+    def update_step_times(self, totals: StepTotals) -> None:
+        """The step-time counters grow by what the engine's totals grew since the last call."""
+        if totals.steps > self._last_steps.steps:
+            self.steps.inc(totals.steps - self._last_steps.steps)
+        for phase, seconds in totals.seconds.items():
+            increase = seconds - self._last_steps.seconds.get(phase, 0.0)
+            if increase > 0:
+                self.step_phase_seconds.inc(increase, tags={"phase": phase})
+        self._last_steps = totals
 
     async def track(self, stream: AsyncIterator[RequestOutput], engine: LLMEngine
                     ) -> AsyncIterator[RequestOutput]:
@@ -115,3 +133,4 @@ class ServiceMetrics:
                 yield out
         self.update_gauges(engine)
         self.update_kv_cache(engine.kv_stats())  # once per stream: off the per-token path
+        self.update_step_times(engine.step_totals())

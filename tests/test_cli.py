@@ -160,6 +160,12 @@ def test_bench_throughput_json_reports_every_contender():
         report["kvserve_tok_s"] / report["hf_generate_tok_s"]
     )
     assert report["config"]["requests"] == 2
+    # the step recorder's cost: the same engine with it off, and its own measured time
+    assert len(report["runs"]["recorder_off_tok_s"]) == 2
+    assert report["recorder_on_vs_off"] == pytest.approx(
+        report["kvserve_tok_s"] / report["recorder_off_tok_s"])
+    assert 0 < report["recorder_time_share"] < 0.05
+    assert "step recorder off" in report["summary"]
 
 
 @pytest.mark.slow  # loads the real model in a subprocess

@@ -59,6 +59,7 @@ class SettingInfo:
     help: str
     choices: tuple[str, ...] | None = None
     gt: float | None = None  # the value (when not None) must be greater than this
+    ge: float | None = None  # ...or at least this
     le: float | None = None  # ...and at most this
     memory: bool = False  # a byte count, also written as 2GiB / 512MiB
 
@@ -125,6 +126,9 @@ class EngineConfig:
         None, "RoPE override with transformers' rope_parameters keys, e.g. "
               '{"rope_type": "yarn", "factor": 4.0}')
     num_threads: int | None = setting(None, "CPU torch threads; None or 0: torch's default")
+    timeline_steps: int = setting(
+        2048, "engine steps the step recorder keeps (a ring buffer read by `kvserve trace` and "
+              "per-request timelines); 0 turns the recorder off, requests' timelines too", ge=0)
 
     def __post_init__(self) -> None:
         """Every value checked against its setting, so a bad one fails here, naming the field,
@@ -183,6 +187,8 @@ def _check(spec: EngineSetting, value: Any) -> None:
         return
     if info.choices is not None and value not in info.choices:
         raise ValueError(f"{spec.name} must be one of {', '.join(info.choices)}, not {value!r}")
+    if info.ge is not None and not value >= info.ge:
+        raise ValueError(f"{spec.name} must be >= {info.ge:g}, not {value!r}")
     if (info.gt is not None and not value > info.gt) or (info.le is not None
                                                          and not value <= info.le):
         if info.gt == 0 and info.le is None:
@@ -207,6 +213,15 @@ ENTRY_POINT_DEFAULTS: dict[str, dict[str, Difference]] = {
         "enable_prefix_caching": Difference(
             True, "the cluster routes each request to the replica caching its longest prefix "
                   "(in-process, off: outputs then never depend on what ran before)"),
+    },
+    "trace": {  # `kvserve trace`, in-process: a run made to be looked at
+        "kv_cache_memory": Difference(
+            "80MiB", "a small device pool, so the built-in workload runs it out and a "
+                     "preemption and a swap are there to see"),
+        "cpu_offload_memory": Difference(
+            "256MiB", "a host tier, so the preempted request is swapped, not recomputed"),
+        "enable_prefix_caching": Difference(
+            True, "the workload repeats a chat: its prefix-cache hit is part of the picture"),
     },
     "eval": {  # `kvserve eval recall|factuality`, in-process
         "kv_cache_memory": Difference(

@@ -10,7 +10,9 @@ status) reads the engine through its public methods and frozen snapshots (`load`
 `scheduler_stats`, `kv_stats`, `info`, `request_blocks`, `cached_block_hashes`), never through
 the scheduler or the block manager, so those can change without touching the cluster. Profilers
 and benchmarks watch steps through `observe_steps` (a `StepRecord` per step: batch and phase
-times) instead of wrapping the engine's parts.
+times) instead of wrapping the engine's parts; the recorder keeps the last `timeline_steps` of
+them (`recent_steps`) and each request's events, handed back on its last output
+(`workers/core/timeline.py`).
 """
 
 from __future__ import annotations
@@ -38,14 +40,23 @@ from workers.core.outputs import (
     KVCacheStats,
     RequestOutput,
     SchedulerStats,
-    StepRecord,
     TokenLogprobs,
     Usage,
 )
 from workers.core.prefill_rate import PrefillRate
 from workers.core.sampling_params import SamplingParams
-from workers.core.scheduler import Scheduler
+from workers.core.scheduler import Scheduler, SchedulerOutput
 from workers.core.sequence import FinishReason, Sequence
+from workers.core.timeline import (
+    PHASES,
+    ChunkRecord,
+    Preemption,
+    RequestTimeline,
+    StepHistory,
+    StepRecord,
+    StepTotals,
+    TimelineEvent,
+)
 from workers.errors import InvalidRequestError
 from workers.model_executor.attention import PagedAttention, make_backend, resolve_backend_name
 from workers.model_executor.cpu_kernels import CpuKernels, load_cpu_kernels
@@ -57,7 +68,7 @@ from workers.model_executor.loader import (
     with_rope_override,
 )
 from workers.model_executor.model import CausalLM, onednn_available
-from workers.model_executor.model_runner import ModelRunner
+from workers.model_executor.model_runner import ForwardView, ModelRunner
 from workers.model_executor.rope import RotaryEmbedding
 from workers.model_executor.sampler import sample
 
@@ -144,7 +155,11 @@ class LLMEngine:
             host=host, events=self.kv_events)
         self.swap_seconds = 0.0  # time spent in KV copies between device and host
         self.num_steps = 0
+        self.history = StepHistory(config.timeline_steps)
+        self._phase_seconds = [0.0] * len(PHASES)  # since start, recorder on or off
+        self.block_manager.track_activity = self.history.enabled
         self._step_observers: list[tuple[Callable[[StepRecord], None], bool]] = []
+        self._forward_observers: list[Callable[[ForwardView], None]] = []
         self.prefill_rate = PrefillRate(config.max_num_batched_tokens)
         self.eos_token_ids = _eos_ids(ckpt)
         self.scheduler = Scheduler(
@@ -233,6 +248,8 @@ class LLMEngine:
             raise InvalidRequestError("request_id", f"{seq.request_id!r} is already running")
         detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, seq.params.stop)
         self.requests[seq.request_id] = _Request(seq, detok)
+        if self.history.enabled:
+            seq.events.append(TimelineEvent("arrived", seq.arrival_time))
         self.scheduler.add(seq)
 
     def _check_lengths(self, prompt_len: int, params: SamplingParams) -> None:
@@ -336,30 +353,47 @@ class LLMEngine:
         budget = self.prefill_rate.token_budget(self.scheduler.num_decoding(),
                                                 self.config.itl_target_ms)
         scheduled = self.scheduler.schedule(budget)
-        schedule_s = clock.lap()
+        recording = self.history.enabled or bool(self._step_observers)
+        # the batch as scheduled (the update below moves every chunk's start)
+        chunks = _chunk_records(scheduled) if recording else ()
+        schedule_s = clock.lap()  # the recorder's own time is counted in history.seconds
         self._run_copies()
         copy_s = clock.lap()
         if not scheduled.chunks:
+            if scheduled.preempted and self.history.enabled:  # a step that only preempted
+                _preemption_events(scheduled.preempted, clock.started, self.num_steps)
             return []
         start = time.perf_counter()
         inp = self.runner.prepare(scheduled.chunks)
         prepare_s = clock.lap()
         logits = self.runner.forward(inp)
         forward_s = clock.lap()
+        for inspect in list(self._forward_observers):  # debuggers: off the clock's phases
+            inspect(self.runner.view(inp, logits))
+            clock.lap()
         seqs = [c.seq for c in inp.sampling]
         tokens, logprobs = sample(logits, seqs)
+        sample_s = clock.lap()
         self.prefill_rate.observe(scheduled.num_tokens, time.perf_counter() - start, budget)
         # only once nothing above can fail: text first (stop strings), then the scheduler
         texts = [self.requests[s.request_id].detok.push(t) for s, t in zip(seqs, tokens,
                                                                              strict=True)]
         hits = {s.request_id for s, text in zip(seqs, texts, strict=True) if text is None}
         reasons = self.scheduler.update_from_output(scheduled, seqs, tokens, hits)
+        finished = [(s, r) for s, r in zip(seqs, reasons, strict=True) if r is not None]
+        phases = (schedule_s, copy_s, prepare_s, forward_s, sample_s, clock.lap())
+        for i, seconds in enumerate(phases):
+            self._phase_seconds[i] += seconds
+        if recording:
+            record = self._record_step(clock, scheduled, chunks, finished, phases)
+            self.history.append(record)
+            self.history.seconds += time.perf_counter() - clock.last
         outputs = [self._output(s, t, lp, text, reason)
                    for s, t, lp, text, reason in zip(seqs, tokens, logprobs, texts, reasons,
                                                      strict=True)]
-        if self._step_observers:
-            self._report_step(clock, scheduled.chunks, len(seqs),
-                              (schedule_s, copy_s, prepare_s, forward_s, clock.lap()))
+        if recording:
+            for observer, _ in list(self._step_observers):
+                observer(record)
         self.num_steps += 1
         return outputs
 
@@ -373,15 +407,54 @@ class LLMEngine:
         self._step_observers.append(entry)
         return lambda: self._step_observers.remove(entry)
 
-    def _report_step(self, clock: _PhaseClock, chunks: list, num_sampled: int,
-                     phases: tuple[float, float, float, float, float]) -> None:
-        decodes = sum(c.num_tokens == 1 and c.start > 0 for c in chunks)
-        tokens = sum(c.num_tokens for c in chunks)
+    def observe_forward(self, observer: Callable[[ForwardView], None]) -> Callable[[], None]:
+        """Call `observer` with each step's `ForwardView` (the model's real input tensors, the
+        KV pool and the logits) right after the forward pass, until the returned function is
+        called. For debuggers (`kvserve trace --explain`); it syncs with the device."""
+        self._forward_observers.append(observer)
+        return lambda: self._forward_observers.remove(observer)
+
+    def set_timeline_steps(self, n: int) -> None:
+        """Resize the step recorder between steps (0: off; what it kept is dropped). The
+        benchmarks turn it off and on to measure what it costs."""
+        self.history = StepHistory(n)
+        self.block_manager.track_activity = self.history.enabled
+
+    def step_totals(self) -> StepTotals:
+        """Steps that computed something, and the seconds of each phase, since the start."""
+        return StepTotals(self.num_steps, dict(zip(PHASES, self._phase_seconds, strict=True)))
+
+    def recent_steps(self, n: int | None = None) -> list[StepRecord]:
+        """The last `n` steps the recorder kept (all of them by default), oldest first."""
+        return self.history.recent(n)
+
+    @property
+    def wall_offset(self) -> float:
+        """Add to a record's perf_counter time for Unix time (exports, OpenTelemetry)."""
+        return self.history.wall_offset
+
+    def _record_step(
+        self, clock: _PhaseClock, scheduled: SchedulerOutput, chunks: tuple[ChunkRecord, ...],
+        finished: list[tuple[Sequence, FinishReason]],
+        phases: tuple[float, float, float, float, float, float],
+    ) -> StepRecord:
+        """The step's record, and each of its requests' timeline events (before the outputs
+        are built: a finished request's last output carries its whole timeline)."""
+        activity = self.block_manager.take_activity()
+        preempted = tuple(Preemption(s.request_id, bool(s.host_table))
+                          for s in scheduled.preempted)
+        kv = self.block_manager
         record = StepRecord(
-            self.num_steps, clock.started, tokens, tokens - decodes, decodes, num_sampled,
-            tuple(c.seq.request_id for c in chunks), *phases)
-        for observer, _ in list(self._step_observers):
-            observer(record)
+            self.num_steps, clock.started, chunks, *phases,
+            admitted=tuple(s.request_id for s in scheduled.admitted), preempted=preempted,
+            finished=tuple((s.request_id, r.value) for s, r in finished),
+            blocks=tuple(activity.items()),
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            kv_device_used=kv.num_blocks - kv.num_free, kv_device_cached=len(kv.cached),
+            kv_host_used=kv.host.num_used if kv.host else 0)
+        if self.history.enabled:
+            _add_timeline_events(record, scheduled, activity, finished)
+        return record
 
     def run_until_done(self) -> Iterator[RequestOutput]:
         """Step until no request is left, yielding every output as it comes: the one
@@ -415,6 +488,9 @@ class LLMEngine:
         self, req: _Request, reason: FinishReason, text: str, logprobs: list[TokenLogprobs],
     ) -> RequestOutput:
         self.scheduler.finish(req.seq, reason)
+        if self.history.enabled:
+            req.seq.events.append(TimelineEvent("finished", time.perf_counter(),
+                                                step=self.num_steps, detail=reason.value))
         return self._final_output(req, reason, text, logprobs)
 
     def _final_output(
@@ -432,7 +508,12 @@ class LLMEngine:
             ttft = (seq.first_token_time - seq.arrival_time) * 1000
         usage = Usage(seq.num_prompt_tokens, len(seq.output_token_ids), ttft,
                       seq.num_cached_prompt_tokens)
-        return RequestOutput(seq.request_id, token_ids or [], text, logprobs, reason.value, usage)
+        timeline = None
+        if self.history.enabled:
+            timeline = RequestTimeline(seq.request_id, tuple(seq.events),
+                                       self.history.wall_offset)
+        return RequestOutput(seq.request_id, token_ids or [], text, logprobs, reason.value, usage,
+                             timeline)
 
     # -- convenience ----------------------------------------------------------------------
     def generate_all(self, requests: list[dict[str, Any]]) -> dict[str, list[RequestOutput]]:
@@ -468,6 +549,48 @@ class _PhaseClock:
         now = time.perf_counter()
         seconds, self.last = now - self.last, now
         return seconds
+
+
+def _chunk_records(scheduled: SchedulerOutput) -> tuple[ChunkRecord, ...]:
+    return tuple(ChunkRecord(c.seq.request_id, c.start, c.num_tokens, c.samples)
+                 for c in scheduled.chunks)
+
+
+def _add_timeline_events(record: StepRecord, scheduled: SchedulerOutput,
+                         activity: dict, finished: list[tuple[Sequence, FinishReason]]) -> None:
+    """Each request's events of this step, in the order they happened: preempted (and swapped
+    out) during scheduling, admitted or resumed (and swapped in), its chunk computed, its
+    first token, its finish."""
+    start, end, step = record.start, record.end, record.index
+    _preemption_events(scheduled.preempted, start, step)
+    for seq in scheduled.admitted:
+        if seq.num_preemptions:
+            seq.events.append(TimelineEvent("resumed", start, step=step))
+        else:
+            seq.events.append(TimelineEvent("admitted", start, step=step,
+                                            num_tokens=seq.num_cached_prompt_tokens))
+        swapped_in = activity.get(seq.request_id)
+        if swapped_in is not None and swapped_in.swapped_in:
+            seq.events.append(TimelineEvent("swapped_in", start, step=step,
+                                            blocks=swapped_in.swapped_in))
+    batch = record.batch_size
+    for chunk, c in zip(scheduled.chunks, record.chunks, strict=True):
+        seq = chunk.seq
+        seq.events.append(TimelineEvent(c.phase, start, end, step, c.start, c.num_tokens, batch))
+        if c.samples and len(seq.output_token_ids) == 1 and seq.first_token_time is not None:
+            seq.events.append(TimelineEvent("first_token", seq.first_token_time, step=step))
+    for seq, reason in finished:
+        seq.events.append(TimelineEvent("finished", end, step=step, detail=reason.value))
+
+
+def _preemption_events(preempted: list[Sequence], start: float, step: int) -> None:
+    for seq in preempted:
+        swapped = bool(seq.host_table)
+        seq.events.append(TimelineEvent("preempted", start, step=step,
+                                        detail="swap" if swapped else "recompute"))
+        if swapped:
+            seq.events.append(TimelineEvent("swapped_out", start, step=step,
+                                            blocks=len(seq.host_table)))
 
 
 def _salt(tenant: str, rope_key: str) -> str:

@@ -545,7 +545,7 @@ def step_breakdown(engine: Any, requests: int, prompt_len: int, steps: int = 5) 
     preparation (metadata, one host->device copy), the model's forward and the rest (sampling,
     detokenizing, bookkeeping). Each part is synchronized, which adds a little to the total."""
     from kvserve.bench.common import greedy_params, make_prompts
-    from workers.core.outputs import StepRecord
+    from workers.core.timeline import StepRecord
 
     records: list[StepRecord] = []
     params = greedy_params(steps + 64)

@@ -1,7 +1,9 @@
 """`kvserve bench throughput`: kvserve's engine against Hugging Face, same model, same prompts.
 
 Three contenders, in one process: kvserve's engine (continuous batching), HF `generate()` one
-request at a time, and HF `generate_batch()` (transformers' own continuous batching). Every
+request at a time, and HF `generate_batch()` (transformers' own continuous batching). kvserve
+also runs with its step recorder off, to measure what the recorder costs (and times the
+recorder itself: `recorder_time_share`). Every
 request is greedy and emits exactly `output_len` tokens. It also times batch-1 decoding against
 the memory-bandwidth bound: weight bytes read per step / measured bandwidth. A shared machine's
 bandwidth moves (22-62 GB/s measured here), so each round probes it just before and just after
@@ -104,11 +106,13 @@ def run_throughput_bench(
                                      hf_sequential_requests, say, progress).items():
             runs.setdefault(key, []).append(value)
     report: dict[str, Any] = {key: max(values) for key, values in runs.items()
-                              if key not in BATCH1_KEYS and not key.endswith("matmul_share")}
+                              if key not in BATCH1_KEYS and not key.endswith("_share")}
     best = min(range(repeats), key=lambda i: runs["decode_vs_bandwidth_limit"][i])
     report.update({key: runs[key][best] for key in BATCH1_KEYS})  # the best round's, together
     fastest = max(range(repeats), key=lambda i: runs["kvserve_tok_s"][i])
     report["matmul_share"] = runs["matmul_share"][fastest]  # of the round reported
+    report["recorder_time_share"] = runs["recorder_time_share"][fastest]
+    report["recorder_on_vs_off"] = report["kvserve_tok_s"] / report["recorder_off_tok_s"]
     if fp32 is not None:
         fastest32 = max(range(repeats), key=lambda i: runs["fp32_kvserve_tok_s"][i])
         report["fp32_matmul_share"] = runs["fp32_matmul_share"][fastest32]
@@ -132,8 +136,13 @@ def _one_round(engine: LLMEngine, fp32: LLMEngine | None, hf_model, prompts: lis
                ) -> dict[str, float]:
     say(f"kvserve ({engine.info.dtype}): {len(prompts)} requests x {len(prompts[0])} prompt + "
         f"{output_len} output")
+    recorded = engine.history.seconds
     tok_s, share = throughput_and_matmul_share(engine, prompts, output_len, progress)
-    result = {"kvserve_tok_s": tok_s, "matmul_share": share}
+    run_s = len(prompts) * output_len / tok_s
+    result = {"kvserve_tok_s": tok_s, "matmul_share": share,
+              "recorder_time_share": (engine.history.seconds - recorded) / run_s}
+    say("kvserve, step recorder off: the same workload")
+    result["recorder_off_tok_s"] = recorder_off_throughput(engine, prompts, output_len, progress)
     if fp32 is not None:
         say("kvserve (float32): the same workload")
         tok_s, share = throughput_and_matmul_share(fp32, prompts, output_len, progress)
@@ -147,6 +156,18 @@ def _one_round(engine: LLMEngine, fp32: LLMEngine | None, hf_model, prompts: lis
         say(f"HF generate_batch(): {len(prompts)} requests")
         result["hf_generate_batch_tok_s"] = hf_generate_batch(hf_model, prompts, output_len).tok_s
     return result
+
+
+def recorder_off_throughput(engine: LLMEngine, prompts: list[list[int]], output_len: int,
+                            progress: bool = False) -> float:
+    """kvserve_throughput with the step recorder off (`timeline_steps` 0), then back on: its
+    cost, measured on the same engine in the same round."""
+    steps = engine.history.capacity
+    engine.set_timeline_steps(0)
+    try:
+        return kvserve_throughput(engine, prompts, output_len, progress)
+    finally:
+        engine.set_timeline_steps(steps)
 
 
 def throughput_and_matmul_share(
@@ -203,6 +224,9 @@ def summarize(r: dict[str, Any]) -> str:
     lines.append(f"  kvserve {c['dtype']:<16}{r['kvserve_tok_s']:8.1f} output tok/s   "
                  f"projections alone {r['matmul_share']:.0%} of the time, "
                  f"the rest {1 - r['matmul_share']:.0%}")
+    lines.append(f"  {'step recorder off':<24}{r['recorder_off_tok_s']:8.1f} output tok/s   "
+                 f"on = {r['recorder_on_vs_off']:.3f}x; recording took "
+                 f"{r['recorder_time_share']:.2%} of the run")
     if "fp32_kvserve_tok_s" in r:
         lines.append(f"  kvserve {'float32':<16}{r['fp32_kvserve_tok_s']:8.1f} output tok/s   "
                      f"projections alone {r['fp32_matmul_share']:.0%} of the time; "

@@ -2,8 +2,8 @@
 
 generate.py (generate), serve.py (up, down, status, cache; with launch.py and status.py),
 bench.py (bench throughput|prefix|serve), eval.py (eval recall|factuality), loadtest.py
-(loadtest). The engine flags are generated from workers.config (engine_args.py); the argparse
-value types are in types.py.
+(loadtest), trace.py (trace). The engine flags are generated from workers.config
+(engine_args.py); the argparse value types are in types.py.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from kvserve.cli.eval import add_eval
 from kvserve.cli.generate import add_generate
 from kvserve.cli.loadtest import add_loadtest
 from kvserve.cli.serve import add_serve_commands
+from kvserve.cli.trace import add_trace
 from workers.errors import ModelNotFoundError
 
 
@@ -46,4 +47,5 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench(sub)
     add_eval(sub)
     add_loadtest(sub)
+    add_trace(sub)
     return parser

@@ -30,6 +30,7 @@ from workers.core.host_block_pool import HostBlockPool
 from workers.core.kv_events import KVCopyPlan, KVEvents
 from workers.core.outputs import KVManagerStats
 from workers.core.prefix_hash import extend_block_hashes
+from workers.core.timeline import BlockActivity
 
 if TYPE_CHECKING:  # only its attributes are used here; sequence.py imports torch
     from workers.core.sequence import Sequence as Request
@@ -74,6 +75,10 @@ class BlockManager:
         self.num_swapped_in = 0
         self.prefix_queried_tokens = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hit_tokens = 0  # of which were found cached
+        # per request, the blocks it gained and lost since the engine last took them (the
+        # step timeline); off, the per-request methods count nothing
+        self.track_activity = True
+        self.activity: dict[str, BlockActivity] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -201,7 +206,9 @@ class BlockManager:
             usable = (seq.num_tokens - 1) // self.block_size
             extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size, usable,
                                 seq.cache_salt)
+            before = self._traffic()
             seq.block_table = self.match_prefix(seq.block_hashes[:usable], seq.token_ids)
+            self._note(seq, before)
             seq.num_cached_blocks = len(seq.block_table)
             seq.num_computed_tokens = seq.num_cached_blocks * self.block_size
         return seq.num_computed_tokens
@@ -219,8 +226,10 @@ class BlockManager:
         pool (free and evictable cached blocks) has too few."""
         if not self.can_allocate(seq.block_table, num_tokens):
             return None
-        start = len(seq.block_table)
+        start, before = len(seq.block_table), self._traffic()
         self.allocate(seq.block_table, num_tokens)
+        if len(seq.block_table) > start:
+            self._note(seq, before, allocated=len(seq.block_table) - start)
         return KVCacheBlocks(tuple(seq.block_table[start:]))
 
     def admit(self, seq: Request) -> None:
@@ -231,8 +240,11 @@ class BlockManager:
             self.prefix_queried_tokens += seq.num_tokens
             self.prefix_hit_tokens += seq.num_computed_tokens
             seq.num_cached_prompt_tokens = seq.num_computed_tokens
+            if seq.num_cached_blocks:
+                self._note(seq, None, hit=seq.num_cached_blocks)
         if seq.host_table:
             self.swap_in(seq.host_table, seq.block_table)
+            self._note(seq, None, swapped_in=len(seq.host_table))
             seq.host_table = []
 
     def cache_full_blocks(self, seq: Request) -> None:
@@ -254,11 +266,13 @@ class BlockManager:
         swapped = self.can_swap_out(seq.block_table)
         if swapped:
             seq.host_table = self.swap_out(seq.block_table)
+        self._note(seq, None, freed=len(seq.block_table), swapped_out=len(seq.host_table))
         self.deallocate(seq.block_table)
         return swapped
 
     def free(self, seq: Request) -> None:
         """`seq` ended (finished or aborted): every block it holds, in either tier, is freed."""
+        self._note(seq, None, freed=len(seq.block_table) + len(seq.host_table))
         self.deallocate(seq.block_table)
         self.free_swapped(seq.host_table)
         seq.host_table = []
@@ -274,6 +288,32 @@ class BlockManager:
             blocks_restored=self.num_restored, blocks_swapped_out=self.num_swapped_out,
             blocks_swapped_in=self.num_swapped_in,
         )
+
+    def take_activity(self) -> dict[str, BlockActivity]:
+        """Request id -> the blocks it gained and lost since the last call (the step record)."""
+        activity, self.activity = self.activity, {}
+        return activity
+
+    def _traffic(self) -> tuple[int, int, int]:
+        return self.num_evicted, self.num_offloaded, self.num_restored
+
+    def _note(self, seq: Request, before: tuple[int, int, int] | None, **counts: int) -> None:
+        """Add to `seq`'s activity: `counts`, and the evictions, demotions and restores since
+        `before` (a `_traffic()` taken before the call that may have caused them)."""
+        if not self.track_activity:
+            return
+        if before is not None:
+            evicted, demoted, restored = (now - then for now, then
+                                          in zip(self._traffic(), before, strict=True))
+            counts = {**counts, "evicted": evicted, "demoted": demoted, "restored": restored}
+        counts = {k: v for k, v in counts.items() if v}
+        if not counts:
+            return
+        activity = self.activity.get(seq.request_id)
+        if activity is None:
+            activity = self.activity[seq.request_id] = BlockActivity()
+        for name, n in counts.items():
+            setattr(activity, name, getattr(activity, name) + n)
 
     # -- swapping (preemption with a host tier) --------------------------------------------
     def can_swap_out(self, block_table: list[int]) -> bool:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from workers.core.timeline import RequestTimeline
+
 
 @dataclass
 class TokenLogprobs:
@@ -28,6 +30,7 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length" | "abort" on the last output
     usage: Usage | None = None  # on the last output
+    timeline: RequestTimeline | None = None  # on the last output, unless recording is off
 
     @property
     def finished(self) -> bool:
@@ -75,29 +78,3 @@ class SchedulerStats:
     # tokens the queued work still has to compute before its next token, a decode's one not
     # counted (it is that decode's share of every step): what delays a new request's first token
     prompt_tokens_left: int
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    """One engine step as profilers and timelines see it: what ran, and each phase's time.
-
-    Given to `LLMEngine.observe_steps` observers after the step; the phases are consecutive, so
-    they add up to the step (with synchronization on a GPU when the observer asked for it)."""
-
-    index: int  # steps run by this engine before this one
-    start: float  # time.perf_counter() when the step began
-    num_tokens: int  # tokens computed: prefill chunks' and decodes'
-    num_prefill_tokens: int
-    num_decodes: int  # sequences computing one token with context
-    num_sampled: int  # rows that sampled a token (chunks that reached their end)
-    request_ids: tuple[str, ...]  # the scheduled requests, in batch order
-    schedule_s: float
-    copy_s: float  # KV swaps, demotions and restores between device and host
-    prepare_s: float  # the step's tensors, one host->device copy
-    forward_s: float  # the model and the logits
-    sample_s: float  # sampling, detokenizing, stop checks, outputs
-
-    @property
-    def seconds(self) -> float:
-        return (self.schedule_s + self.copy_s + self.prepare_s + self.forward_s
-                + self.sample_s)

@@ -44,6 +44,7 @@ class ScheduledChunk:
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    admitted: list[Sequence] = field(default_factory=list)  # left the queue (new or resumed)
 
     @property
     def num_tokens(self) -> int:
@@ -131,6 +132,7 @@ class Scheduler:
             self.kv.admit(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            out.admitted.append(seq)
             out.chunks.append(ScheduledChunk(seq, n))
             budget -= n
 

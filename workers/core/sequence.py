@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from workers.core.sampling_params import SamplingParams
+from workers.core.timeline import TimelineEvent
 
 
 class SequenceStatus(enum.Enum):
@@ -29,7 +30,7 @@ class Sequence:
     prompt_token_ids: list[int]
     params: SamplingParams
     generator: torch.Generator  # per-request RNG: seeded output ignores the rest of the batch
-    arrival_time: float = field(default_factory=time.monotonic)
+    arrival_time: float = field(default_factory=time.perf_counter)  # the timeline's clock
     output_token_ids: list[int] = field(default_factory=list)
     token_ids: list[int] = field(init=False)  # prompt + output
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
@@ -45,6 +46,7 @@ class Sequence:
     num_cached_blocks: int = 0  # leading blocks registered for (or taken from) prefix caching
     num_cached_prompt_tokens: int = 0  # prompt tokens a prefix-cache hit spared, at admission
     host_table: list[int] = field(default_factory=list)  # swapped out: its KV in host blocks
+    events: list[TimelineEvent] = field(default_factory=list)  # its timeline, when recorded
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -65,7 +67,7 @@ class Sequence:
         self.token_ids.append(token_id)
         self.output_token_ids.append(token_id)
         if self.first_token_time is None:
-            self.first_token_time = time.monotonic()
+            self.first_token_time = time.perf_counter()
 
     def mark_swapped(self) -> None:
         """After preemption with swap: the KV waits in `host_table`, nothing is recomputed."""

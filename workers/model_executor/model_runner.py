@@ -24,6 +24,26 @@ class ModelInput:
     meta: AttentionMetadata
     logits_rows: torch.Tensor  # [sampling chunks] long: last row of each chunk that samples
     sampling: list[ScheduledChunk]  # in the order of logits_rows
+    chunks: list[ScheduledChunk]  # in row order: decodes first, then prefill chunks
+
+
+@dataclass(frozen=True)
+class ForwardView:
+    """One step's model input and output as the model saw them, for debuggers (`kvserve trace
+    --explain`): the real tensors, not a recomputation. Per chunk, in row order: its request,
+    rows, the block table its attention read and the keys it attended to."""
+
+    request_ids: tuple[str, ...]
+    row_starts: tuple[int, ...]  # first row of each chunk in the flat batch
+    num_rows: tuple[int, ...]
+    block_tables: tuple[tuple[int, ...], ...]  # the blocks each chunk's attention read
+    context_lens: tuple[int, ...]  # keys each chunk's queries attend to (cached + its own)
+    input_ids: torch.Tensor  # [tokens]
+    positions: torch.Tensor  # [tokens]: RoPE positions
+    slot_mapping: torch.Tensor  # [tokens]: cache slot each token's K/V was written to
+    kv_cache: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (k, v), the pool itself
+    logits: torch.Tensor  # [sampling chunks, vocab]
+    sampling_ids: tuple[str, ...]  # the requests of the logits rows, in order
 
 
 class ModelRunner:
@@ -85,8 +105,31 @@ class ModelRunner:
         return ModelInput(
             input_ids=input_ids, positions=pos,
             rope_spans=[RopeSpan(c.start, c.num_tokens, c.seq.num_prompt_tokens) for c in ordered],
-            meta=meta, logits_rows=logits_rows, sampling=sampling,
+            meta=meta, logits_rows=logits_rows, sampling=sampling, chunks=ordered,
         )
+
+    def view(self, inp: ModelInput, logits: torch.Tensor) -> ForwardView:
+        """`inp` and its logits as a ForwardView (the block tables and lengths read back from
+        the attention metadata the kernels got)."""
+        meta = inp.meta
+        tables: list[tuple[int, ...]] = []
+        lens: list[int] = []
+        d_lens = meta.decode_context_lens.tolist()
+        for i, n in enumerate(d_lens):
+            tables.append(tuple(meta.decode_block_tables[i].tolist()[:-(-n // self.block_size)]))
+            lens.append(n)
+        for seg in meta.prefills:
+            tables.append(tuple(seg.block_table.tolist()[:-(-seg.context_len // self.block_size)]))
+            lens.append(seg.context_len)
+        starts, rows, at = [], [], 0
+        for c in inp.chunks:
+            starts.append(at)
+            rows.append(c.num_tokens)
+            at += c.num_tokens
+        return ForwardView(
+            tuple(c.seq.request_id for c in inp.chunks), tuple(starts), tuple(rows),
+            tuple(tables), tuple(lens), inp.input_ids, inp.positions, meta.slot_mapping,
+            self.kv_cache, logits, tuple(c.seq.request_id for c in inp.sampling))
 
     def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
         bs = self.block_size
