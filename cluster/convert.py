@@ -56,7 +56,7 @@ def sampling_params(params: pb.SamplingParams) -> dict[str, Any]:
     return values
 
 
-def response(out: RequestOutput) -> pb.GenerateResponse:
+def response(out: RequestOutput, with_timeline: bool = False) -> pb.GenerateResponse:
     msg = pb.GenerateResponse(request_id=out.request_id, token_ids=out.token_ids, text=out.text)
     for lp in out.logprobs:
         msg.logprobs.append(pb.TokenLogprob(
@@ -69,7 +69,14 @@ def response(out: RequestOutput) -> pb.GenerateResponse:
             prompt_tokens=out.usage.prompt_tokens, completion_tokens=out.usage.completion_tokens,
             time_to_first_token_ms=out.usage.time_to_first_token_ms or 0.0,
             cached_tokens=out.usage.cached_tokens))
+    if with_timeline and out.timeline is not None:
+        msg.timeline.CopyFrom(timeline(out.timeline.as_dict()["events"]))
     return msg
+
+
+def timeline(events: list[dict[str, Any]]) -> pb.Timeline:
+    """`RequestTimeline.as_dict()["events"]` as the message (the same names)."""
+    return pb.Timeline(events=[pb.TimelineEvent(**e) for e in events])
 
 
 def struct(values: dict[str, Any]) -> struct_pb2.Struct:

@@ -176,6 +176,14 @@ class GenerationDeployment:
     def kv_stats(self) -> dict:
         return dataclasses.asdict(self.engine.kv_stats())
 
+    def recent_steps(self) -> dict:
+        """What `kvserve trace --deployment` draws for this replica: its engine's recorded
+        steps and the timelines of its last ended requests (StepRecord / RequestTimeline
+        objects), with the clock offset that turns their times into Unix time."""
+        return {"replica_id": self.status_publisher.replica_id,
+                "wall_offset": self.engine.wall_offset, "steps": self.engine.recent_steps(),
+                "timelines": self.engine.recent_timelines()}
+
     def warm_up_report(self) -> dict:
         """The warm-up request this replica ran before it took traffic (prompt_tokens,
         generated_tokens, seconds); also in the replica's log."""

@@ -35,11 +35,12 @@ class GenerationService:
 
     async def Generate(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:  # noqa: N802
         outputs = self.observe(self.engine.generate(**engine_request(request)))
+        with_timeline = request.return_timeline
         if self.stream_coalesce_ms <= 0:
             async for out in outputs:
-                yield response(out)
+                yield response(out, with_timeline)
             return
-        messages = (response(out) async for out in outputs)
+        messages = (response(out, with_timeline) async for out in outputs)
         async for msg in coalesce(messages, self.stream_coalesce_ms / 1000, merge_responses):
             yield msg
 
@@ -57,7 +58,7 @@ class GenerationService:
 
 def merge_responses(messages: Sequence[pb.GenerateResponse]) -> pb.GenerateResponse:
     """One message for consecutive messages of one stream: token_ids, text and logprobs
-    concatenated; request_id, finish_reason and usage from the last."""
+    concatenated; request_id, finish_reason, usage and timeline from the last."""
     if len(messages) == 1:
         return messages[0]
     last = messages[-1]
@@ -68,6 +69,8 @@ def merge_responses(messages: Sequence[pb.GenerateResponse]) -> pb.GenerateRespo
         merged.logprobs.extend(m.logprobs)
     if last.HasField("usage"):
         merged.usage.CopyFrom(last.usage)
+    if last.HasField("timeline"):
+        merged.timeline.CopyFrom(last.timeline)
     return merged
 
 

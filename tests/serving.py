@@ -63,8 +63,10 @@ class Served:
         """The name of this application's cache-manager actor."""
         return cache_manager.deployment_key(self.app, "Generation")
 
-    def stream(self, prompt: str, **params: Any) -> list[pb.GenerateResponse]:
-        request = pb.GenerateRequest(prompt=prompt, params=pb.SamplingParams(**params))
+    def stream(self, prompt: str, request_id: str = "", **params: Any
+               ) -> list[pb.GenerateResponse]:
+        request = pb.GenerateRequest(prompt=prompt, params=pb.SamplingParams(**params),
+                                     request_id=request_id)
         return list(self.stub.Generate(request, metadata=self.metadata))
 
     def metrics(self) -> dict[str, list[tuple[str, float]]]:

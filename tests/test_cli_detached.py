@@ -21,6 +21,7 @@ from cluster import local_head
 from tests.helpers import poll
 from tests.serving import free_port
 from tests.test_cli import KVSERVE
+from tests.trace_format import trace_format_errors
 
 pytestmark = pytest.mark.ray  # starts Ray, so also slow (tests/conftest.py)
 
@@ -121,6 +122,13 @@ def test_up_detach_status_generate_down(model_dir, tmp_path, monkeypatch):
 
         check = kvserve("cache", "check")
         assert check.returncode == 0 and "matches every replica" in check.stdout, check.stderr
+        traced = kvserve("trace", "--deployment", "--out", str(tmp_path / "trace"), "--json")
+        assert traced.returncode == 0, traced.stderr
+        [traced_replica] = json.loads(traced.stdout)["replicas"]
+        assert traced_replica["steps"] > 0 and traced_replica["requests"] >= 3  # + warm-up
+        trace = json.loads((tmp_path / "trace" / "trace.json").read_text())
+        assert trace_format_errors(trace) == []
+        assert (tmp_path / "trace" / "timeline-0.png").stat().st_size > 10_000
         [replica] = json.loads(kvserve("status", "--json").stdout)["replicas"]
         assert 0.3 < replica["prefix_cache_hit_rate"] <= 0.5  # run 2 hit its full blocks
         assert replica["kv_cached_blocks"] > 0

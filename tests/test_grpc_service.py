@@ -123,3 +123,32 @@ def test_model_info_and_tokenize(real_engine):
 
     serve(real_engine, scenario)
 
+
+
+def test_a_request_gets_its_timeline_when_it_asks_for_it(real_engine):
+    """`return_timeline`: the last response carries the engine's own timeline of the request
+    (the same events as in-process); without it, no timeline travels."""
+
+    async def scenario(stub, core):
+        params = pb.SamplingParams(temperature=0, max_tokens=4)
+        asked = [r async for r in stub.Generate(pb.GenerateRequest(
+            prompt="Hello there", params=params, return_timeline=True))]
+        plain = [r async for r in stub.Generate(pb.GenerateRequest(prompt="Hello there",
+                                                                   params=params))]
+        assert not any(r.HasField("timeline") for r in plain)
+        assert not any(r.HasField("timeline") for r in asked[:-1])
+        events = asked[-1].timeline.events
+        assert [e.kind for e in events] == ["arrived", "admitted", "prefill", "first_token",
+                                            "decode", "decode", "decode", "finished"]
+        assert events[-1].detail == "length"
+        n = asked[-1].usage.prompt_tokens
+        assert [e.first for e in events if e.kind == "decode"] == [n, n + 1, n + 2]
+        prefill = events[2]
+        assert (prefill.first, prefill.num_tokens, prefill.batch_size) == (0, n, 1)
+        assert prefill.HasField("duration_s") and prefill.duration_s > 0
+        times = [e.time for e in events]
+        assert times == sorted(times)
+        assert events[3].time - events[0].time == pytest.approx(
+            asked[-1].usage.time_to_first_token_ms / 1000, abs=1e-3)
+
+    serve(real_engine, scenario)

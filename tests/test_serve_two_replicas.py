@@ -8,9 +8,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from kvserve.trace.chrome import chrome_trace
+from kvserve.trace.remote import replica_sources
 from tests.helpers import poll, solo_ids_each
 from tests.prompts import varied_prompts
 from tests.serving import TWO_REPLICAS, serve_locally
+from tests.trace_format import trace_format_errors
 
 USES_SHARED_RAY = "3b"  # tests/serving.py: run with the modules of this group
 
@@ -30,7 +33,9 @@ def test_two_replicas_serve_16_concurrent_clients_exactly(real_engine):
             results = dict(
                 zip(
                     prompts,
-                    pool.map(lambda p: served.stream(p, temperature=0, max_tokens=12), prompts),
+                    pool.map(lambda i_p: served.stream(i_p[1], temperature=0, max_tokens=12,
+                                                       request_id=f"two-{i_p[0]}"),
+                             enumerate(prompts)),
                     strict=True,
                 )
             )
@@ -38,7 +43,23 @@ def test_two_replicas_serve_16_concurrent_clients_exactly(real_engine):
             assert [t for r in responses for t in r.token_ids] == expected[prompt], prompt
         replicas = poll(lambda: _replicas_with_traffic(served, before), lambda s: len(s) >= 2,
                         30, 1.0)  # metrics report each second
+        sources = replica_sources(served.app)  # what `kvserve trace --deployment` draws
     assert len(replicas) == 2, replicas
+    # each replica's recorded steps hold the requests it served: together, all 16, once
+    ours = {}
+    for source in sources:
+        ended = {t.request_id: t for t in source.timelines}
+        for step in source.steps:
+            for chunk in step.chunks:
+                ours.setdefault(chunk.request_id, set()).add(source.name)
+        assert ended and all(t.events[-1].kind == "finished" for t in ended.values())
+    served_here = {rid for rid, names in ours.items() if rid.startswith("two-")}
+    assert len(sources) == 2 and len(served_here) == 16
+    assert all(len(ours[rid]) == 1 for rid in served_here)  # never split across replicas
+    trace = chrome_trace(sources)
+    assert trace_format_errors(trace) == []
+    assert {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"} == {
+        s.name for s in sources}
 
 
 def _finished_per_replica(served) -> dict[str, float]:

@@ -428,6 +428,10 @@ class LLMEngine:
         """The last `n` steps the recorder kept (all of them by default), oldest first."""
         return self.history.recent(n)
 
+    def recent_timelines(self) -> list[RequestTimeline]:
+        """The timelines of the last requests that ended (timeline_steps / 8 of them)."""
+        return list(self.history.timelines)
+
     @property
     def wall_offset(self) -> float:
         """Add to a record's perf_counter time for Unix time (exports, OpenTelemetry)."""
@@ -512,6 +516,7 @@ class LLMEngine:
         if self.history.enabled:
             timeline = RequestTimeline(seq.request_id, tuple(seq.events),
                                        self.history.wall_offset)
+            self.history.ended(timeline)
         return RequestOutput(seq.request_id, token_ids or [], text, logprobs, reason.value, usage,
                              timeline)
 

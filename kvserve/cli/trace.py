@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,14 @@ def add_trace(sub) -> None:
     p.add_argument("--busy", action="store_true",
                    help="with --explain: run the built-in mixed workload beside it (batch "
                         "mates, chunked prefill beside decodes, memory pressure)")
+    p.add_argument("--deployment", action="store_true",
+                   help="trace a running deployment instead: every replica's recent steps and "
+                        "last requests (one process per replica in trace.json, a picture each)")
+    p.add_argument("--address", default=None,
+                   help="with --deployment: the Ray cluster (default: RAY_ADDRESS, else the "
+                        "one `kvserve up --detach` started)")
+    p.add_argument("--app", default="kvserve", help="with --deployment: the Serve "
+                                                     "application (default kvserve)")
     p.add_argument("--json", action="store_true", help="print a JSON summary instead of text")
     add_engine_args(p, "trace")
     p.set_defaults(run=_run_trace)
@@ -51,6 +60,8 @@ def add_trace(sub) -> None:
 def _run_trace(args: argparse.Namespace) -> int:
     from workers.model_executor.loader import resolve_model_dir
 
+    if args.deployment:
+        return _trace_deployment(args)
     config = engine_config(args)
     resolve_model_dir(config.model)  # a missing model: one line, before the engine's imports
     if args.explain is not None:
@@ -126,6 +137,41 @@ def _record(config, args: argparse.Namespace) -> dict[str, Any]:
         "seconds": steps[-1].end - steps[0].start if steps else 0.0,
         "step_seconds": {p: sum(getattr(s, f"{p}_s") for s in steps) for p in PHASES},
     }
+
+
+def _trace_deployment(args: argparse.Namespace) -> int:
+    from kvserve.cli.status import NothingRunning, connect
+
+    try:
+        connect(args.address)
+    except NothingRunning as exc:
+        print(f"kvserve: nothing deployed: {exc}", file=sys.stderr)
+        return 1
+    from cluster import local_head
+    from kvserve.trace.chrome import chrome_trace
+    from kvserve.trace.picture import draw_timeline
+    from kvserve.trace.remote import replica_sources
+
+    try:
+        sources = replica_sources(args.app)
+    finally:
+        local_head.disconnect_driver()
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "trace.json").write_text(json.dumps(chrome_trace(sources)))
+    files = ["trace.json"]
+    for i, source in enumerate(sources):
+        if source.steps:
+            files.append(draw_timeline(source, out / f"timeline-{i}.png").name)
+    summary = {"out": str(out), "files": files, "replicas": [
+        {"name": s.name, "steps": len(s.steps), "requests": len(s.timelines)} for s in sources]}
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        for r in summary["replicas"]:
+            print(f"{r['name']}: {r['steps']} steps, {r['requests']} recent requests")
+        print(f"wrote {', '.join(files)} in {out}/; open trace.json in https://ui.perfetto.dev")
+    return 0
 
 
 def _read_prompts(path: Path) -> list[str]:

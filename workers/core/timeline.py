@@ -220,12 +220,15 @@ class StepHistory:
 
     capacity: int
     steps: deque[StepRecord] = field(init=False)
+    # the timelines of the last requests that ended (a replica's trace draws their queueing)
+    timelines: deque[RequestTimeline] = field(init=False)
     # perf_counter -> Unix time, taken once: one clock for every record and timeline
     wall_offset: float = field(default_factory=lambda: time.time() - time.perf_counter())
     seconds: float = 0.0  # spent recording (records and timeline events): its overhead
 
     def __post_init__(self) -> None:
         self.steps = deque(maxlen=max(self.capacity, 0) or None)
+        self.timelines = deque(maxlen=max(self.capacity // 8, 1))
 
     @property
     def enabled(self) -> bool:
@@ -234,6 +237,10 @@ class StepHistory:
     def append(self, record: StepRecord) -> None:
         if self.capacity > 0:
             self.steps.append(record)
+
+    def ended(self, timeline: RequestTimeline) -> None:
+        if self.capacity > 0:
+            self.timelines.append(timeline)
 
     def recent(self, n: int | None = None) -> list[StepRecord]:
         """The last `n` records (all kept ones by default), oldest first."""
