@@ -88,6 +88,9 @@ class AppConfig(EngineSettings):  # type: ignore[misc,valid-type]
     # API keys (cluster/auth.py: `keys_file_format`), besides $KVSERVE_API_KEYS in the replicas'
     # environment; none: the service is open. A path, so the keys never enter the app config
     api_keys_file: str | None = None
+    # OpenTelemetry request spans to this OTLP/gRPC receiver (host:port), as vLLM's
+    # --otlp-traces-endpoint; None: no tracing
+    otlp_traces_endpoint: str | None = None
     cache_aware_routing: bool = True  # route to the replica holding the longest cached prefix
     # ongoing requests by which a cache holder may exceed the least-loaded replica and still win
     routing_imbalance_threshold: float = Field(8.0, ge=0)
@@ -173,4 +176,5 @@ def build_app(args: dict[str, Any] | AppConfig) -> Application:
             config.model, imbalance_threshold=config.routing_imbalance_threshold))
     replicas = config.autoscaling.max_replicas if config.autoscaling else config.replicas
     return deployment.bind(config.engine_config(), replicas, config.stream_coalesce_ms,
-                           config.cache_manager_config(), config.api_keys_file)
+                           config.cache_manager_config(), config.api_keys_file,
+                           config.otlp_traces_endpoint)

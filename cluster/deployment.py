@@ -37,6 +37,7 @@ from cluster.openai.http import build_openai_app
 from cluster.openai.serving import OpenAIServing
 from cluster.replica_status import StatusPublisher
 from cluster.service import GenerationService
+from cluster.tracing import RequestTracer, trace_context
 from kvserve.v1 import generation_pb2 as pb
 from workers.async_engine import AsyncLLMEngine, WarmUp
 from workers.config import EngineConfig
@@ -57,6 +58,7 @@ class GenerationDeployment:
     async def __init__(  # type: ignore[misc] - Serve awaits an async constructor
         self, engine_config: dict[str, Any], replicas: int, stream_coalesce_ms: float = 0.0,
         cache_manager_config: dict | None = None, api_keys_file: str | None = None,
+        otlp_traces_endpoint: str | None = None,
     ) -> None:
         """Async so that the warm-up runs on the engine's own step loop, as requests do."""
         self.engine = LLMEngine(EngineConfig(**engine_config))
@@ -67,9 +69,10 @@ class GenerationDeployment:
         # what reached this replica: gRPC Generate calls, HTTP requests, engine requests
         self.counts = {"generate_calls": 0, "http_requests": 0, "engine_requests": 0}
         self.gate, self.limiter = await _start_gate(api_keys_file)
+        self.tracer = RequestTracer(otlp_traces_endpoint) if otlp_traces_endpoint else None
         self.service = GenerationService(self.async_engine, replicas=replicas,
                                          stream_coalesce_ms=stream_coalesce_ms,
-                                         observe=self._observe)
+                                         observe=self._observe, tracer=self.tracer)
         self.openai = OpenAIServing(self.async_engine, observe=self._observe,
                                     replicas=replicas, on_usage=self._used)
         self.status_publisher = StatusPublisher(self.engine.load).start()
@@ -113,7 +116,8 @@ class GenerationDeployment:
             tenant = self._grpc_tenant(grpc_context)
             if tenant is not None and not request.cache_salt:
                 request.cache_salt = tenant.name
-            async for msg in self.service.Generate(request):
+            metadata = dict(grpc_context.invocation_metadata())
+            async for msg in self.service.Generate(request, trace_context(metadata)):
                 if tenant is not None and msg.HasField("usage"):
                     self._used(tenant.name, msg.usage.prompt_tokens + msg.usage.completion_tokens)
                 yield msg

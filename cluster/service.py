@@ -11,30 +11,42 @@ queued behind a slow consumer) leave as one merged message, so fewer messages cr
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+import contextlib
+from collections.abc import AsyncIterator, Mapping, Sequence
 
 import grpc
 
 from cluster.coalesce import coalesce
 from cluster.convert import engine_request, prompt_input, response, status_code, struct
+from cluster.tracing import RequestTracer, trace_context
 from kvserve.v1 import generation_pb2 as pb
 from kvserve.v1 import generation_pb2_grpc as pb_grpc
 from workers.async_engine import AsyncLLMEngine, Observer, unobserved
+from workers.core.outputs import RequestOutput
 
 
 class GenerationService:
     def __init__(self, engine: AsyncLLMEngine, replicas: int = 1,
-                 stream_coalesce_ms: float = 0.0, observe: Observer | None = None) -> None:
-        """`observe` wraps each request's engine output stream (the replica's metrics)."""
+                 stream_coalesce_ms: float = 0.0, observe: Observer | None = None,
+                 tracer: RequestTracer | None = None) -> None:
+        """`observe` wraps each request's engine output stream (the replica's metrics);
+        `tracer` exports each ended request's spans (OpenTelemetry)."""
         if stream_coalesce_ms < 0:
             raise ValueError("stream_coalesce_ms must be >= 0")
         self.engine = engine
         self.observe = observe or unobserved
         self.replicas = replicas
         self.stream_coalesce_ms = stream_coalesce_ms
+        self.tracer = tracer
 
-    async def Generate(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:  # noqa: N802
+    async def Generate(self, request: pb.GenerateRequest,  # noqa: N802
+                       trace: Mapping[str, str] | None = None,
+                       ) -> AsyncIterator[pb.GenerateResponse]:
+        """`trace`: the caller's W3C trace context (`traceparent`), the parent of the
+        request's span when a tracer is set."""
         outputs = self.observe(self.engine.generate(**engine_request(request)))
+        if self.tracer is not None:
+            outputs = self._traced(outputs, trace)
         with_timeline = request.return_timeline
         if self.stream_coalesce_ms <= 0:
             async for out in outputs:
@@ -43,6 +55,14 @@ class GenerationService:
         messages = (response(out, with_timeline) async for out in outputs)
         async for msg in coalesce(messages, self.stream_coalesce_ms / 1000, merge_responses):
             yield msg
+
+    async def _traced(self, outputs: AsyncIterator[RequestOutput],
+                      trace: Mapping[str, str] | None) -> AsyncIterator[RequestOutput]:
+        async with contextlib.aclosing(outputs):
+            async for out in outputs:
+                if out.finished:
+                    self.tracer.export(out, trace)
+                yield out
 
     async def ModelInfo(self, request: pb.ModelInfoRequest) -> pb.ModelInfoResponse:  # noqa: N802
         info = self.engine.info
@@ -82,7 +102,8 @@ class _Servicer(pb_grpc.GenerationServicer):
 
     async def Generate(self, request, context: grpc.aio.ServicerContext):  # noqa: N802
         try:
-            async for msg in self.service.Generate(request):
+            metadata = dict(context.invocation_metadata() or ())
+            async for msg in self.service.Generate(request, trace_context(metadata)):
                 yield msg
         except Exception as exc:  # noqa: BLE001 - every error leaves as a status, never a hang
             await context.abort(status_code(exc), str(exc))

@@ -48,6 +48,10 @@ def add_up(sub) -> None:
     p.add_argument("--api-keys-file", default=None, metavar="PATH",
                    help="YAML of keys, their tenants and the tenants' limits (requests_per_s, "
                         "tokens_per_min); see cluster/auth.py")
+    p.add_argument("--otlp-traces-endpoint", default=None, metavar="HOST:PORT",
+                   help="export an OpenTelemetry span per request (queued, prefill, decode, "
+                        "preemptions as children; a caller's W3C traceparent as parent) to "
+                        "this OTLP/gRPC receiver")
     p.add_argument("--config", default=None,
                    help="YAML of AppConfig fields, or a Serve config like infra/serve/cpu.yaml")
     p.add_argument("--detach", action="store_true",
@@ -62,7 +66,8 @@ def _run_up(args: argparse.Namespace) -> int:
     overrides = engine_kwargs(args) | {
         "replicas": args.replicas, "num_gpus_per_replica": args.num_gpus_per_replica,
         "redis_url": args.redis_url,
-        "api_keys_file": keys_file_for(args.api_key, args.api_keys_file)}
+        "api_keys_file": keys_file_for(args.api_key, args.api_keys_file),
+        "otlp_traces_endpoint": args.otlp_traces_endpoint}
     from cluster import local_head
 
     if already_up(local_head.read_live_state()):  # before the ~6 s of Ray and engine imports
