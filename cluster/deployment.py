@@ -74,7 +74,8 @@ class GenerationDeployment:
                                          stream_coalesce_ms=stream_coalesce_ms,
                                          observe=self._observe, tracer=self.tracer)
         self.openai = OpenAIServing(self.async_engine, observe=self._observe,
-                                    replicas=replicas, on_usage=self._used)
+                                    replicas=replicas, on_usage=self._used,
+                                    tracer=self.tracer)
         self.status_publisher = StatusPublisher(self.engine.load).start()
         self.kv_reporter = _start_kv_reporter(self.engine, self.status_publisher.replica_id,
                                               cache_manager_config or {})

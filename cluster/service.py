@@ -11,18 +11,16 @@ queued behind a slow consumer) leave as one merged message, so fewer messages cr
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import AsyncIterator, Mapping, Sequence
 
 import grpc
 
 from cluster.coalesce import coalesce
 from cluster.convert import engine_request, prompt_input, response, status_code, struct
-from cluster.tracing import RequestTracer, trace_context
+from cluster.tracing import RequestTracer, trace_context, traced
 from kvserve.v1 import generation_pb2 as pb
 from kvserve.v1 import generation_pb2_grpc as pb_grpc
 from workers.async_engine import AsyncLLMEngine, Observer, unobserved
-from workers.core.outputs import RequestOutput
 
 
 class GenerationService:
@@ -46,7 +44,7 @@ class GenerationService:
         request's span when a tracer is set."""
         outputs = self.observe(self.engine.generate(**engine_request(request)))
         if self.tracer is not None:
-            outputs = self._traced(outputs, trace)
+            outputs = traced(outputs, self.tracer, trace)
         with_timeline = request.return_timeline
         if self.stream_coalesce_ms <= 0:
             async for out in outputs:
@@ -55,14 +53,6 @@ class GenerationService:
         messages = (response(out, with_timeline) async for out in outputs)
         async for msg in coalesce(messages, self.stream_coalesce_ms / 1000, merge_responses):
             yield msg
-
-    async def _traced(self, outputs: AsyncIterator[RequestOutput],
-                      trace: Mapping[str, str] | None) -> AsyncIterator[RequestOutput]:
-        async with contextlib.aclosing(outputs):
-            async for out in outputs:
-                if out.finished:
-                    self.tracer.export(out, trace)
-                yield out
 
     async def ModelInfo(self, request: pb.ModelInfoRequest) -> pb.ModelInfoResponse:  # noqa: N802
         info = self.engine.info

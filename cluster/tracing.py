@@ -10,7 +10,8 @@ Span names and attributes follow OpenTelemetry's gen_ai conventions where they e
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from workers.core.outputs import RequestOutput
@@ -70,6 +71,17 @@ class RequestTracer:
 
     def shutdown(self) -> None:
         self.provider.shutdown()
+
+
+async def traced(outputs: AsyncIterator[RequestOutput], tracer: RequestTracer | None,
+                 trace: Mapping[str, str] | None = None) -> AsyncIterator[RequestOutput]:
+    """Re-yield an engine output stream; once it ends, export its request's spans (nothing
+    without a tracer). Closing this stream closes `outputs`."""
+    async with contextlib.aclosing(outputs):
+        async for out in outputs:
+            if out.finished and tracer is not None:
+                tracer.export(out, trace)
+            yield out
 
 
 def trace_context(metadata: Mapping[str, str]) -> dict[str, str]:

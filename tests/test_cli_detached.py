@@ -5,6 +5,7 @@ starts and `down` stops, as a new user runs them: an empty HOME (no ~/.ray/auth_
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -12,13 +13,17 @@ import tempfile
 import time
 from pathlib import Path
 
+import grpc
 import pytest
 import redis
 
 from cache_manager.actor import EMBEDDED_PREFIX
 from cache_manager.redis_server import owner_alive
 from cluster import local_head
+from kvserve.v1 import generation_pb2 as pb
+from kvserve.v1 import generation_pb2_grpc as pb_grpc
 from tests.helpers import poll
+from tests.otlp import CALLER_SPAN_ID, CALLER_TRACE_ID, CALLER_TRACEPARENT, otlp_receiver
 from tests.serving import free_port
 from tests.test_cli import KVSERVE
 from tests.trace_format import trace_format_errors
@@ -64,6 +69,11 @@ def redis_server_pids(data_dir: Path) -> list[int]:
 
 
 def test_up_detach_status_generate_down(model_dir, tmp_path, monkeypatch):
+    with contextlib.ExitStack() as stack:
+        _up_detach_status_generate_down(model_dir, tmp_path, monkeypatch, stack)
+
+
+def _up_detach_status_generate_down(model_dir, tmp_path, monkeypatch, stack):
     env = new_user_env(model_dir, tmp_path)
     home = Path(env["HOME"])
     monkeypatch.setenv("KVSERVE_CACHE_DIR", env["KVSERVE_CACHE_DIR"])  # read_state() below
@@ -75,10 +85,12 @@ def test_up_detach_status_generate_down(model_dir, tmp_path, monkeypatch):
     port = free_port()
     namespace = "kvserve:kvserve.Generation:*"
     started = time.time() - 1
+    receiver = stack.enter_context(otlp_receiver())  # the replica's spans go here
     try:
         http_port = free_port()
         up = kvserve("up", "--detach", "--grpc-port", str(port), "--kv-cache-memory", "256MiB",
-                     "--http-port", str(http_port))
+                     "--http-port", str(http_port), "--otlp-traces-endpoint",
+                     receiver.endpoint)
         assert up.returncode == 0, up.stdout + up.stderr
         assert f"127.0.0.1:{port}" in up.stdout
         assert f"HTTP at http://127.0.0.1:{http_port}/v1" in up.stdout
@@ -119,6 +131,20 @@ def test_up_detach_status_generate_down(model_dir, tmp_path, monkeypatch):
         index = redis.Redis.from_url(f"unix://{redis_dir / 'redis.sock'}")
         keys = set(index.scan_iter(match=namespace))
         assert any(k.endswith(b":blocks:device") for k in keys), keys  # the index is in Redis
+
+        # a caller's trace context crosses Serve's gRPC proxy: its trace holds the request
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            list(pb_grpc.GenerationStub(channel).Generate(
+                pb.GenerateRequest(prompt="Hi", params=pb.SamplingParams(max_tokens=2),
+                                   request_id="traced"),
+                metadata=[("traceparent", CALLER_TRACEPARENT),
+                          ("application", "kvserve")]))
+        found = poll(lambda: receiver.request_spans().get("traced"), bool, 30, 0.5)
+        assert found, "the replica's span never reached the OTLP receiver"
+        root, _ = found
+        assert root.trace_id.hex() == CALLER_TRACE_ID
+        assert root.parent_span_id.hex() == CALLER_SPAN_ID
+        assert [s.name for s in receiver.children(root)] == ["queued", "prefill", "decode"]
 
         check = kvserve("cache", "check")
         assert check.returncode == 0 and "matches every replica" in check.stdout, check.stderr

@@ -7,13 +7,13 @@ from pathlib import Path
 
 import grpc
 import pytest
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 from cluster.service import GenerationService, add_to_server
 from kvserve.protogen import ROOT, generate
 from kvserve.v1 import generation_pb2 as pb
 from kvserve.v1 import generation_pb2_grpc as pb_grpc
 from tests.helpers import assert_engine_idle, solo_ids
+from tests.otlp import CALLER_SPAN_ID, CALLER_TRACE_ID, CALLER_TRACEPARENT, otlp_receiver
 from workers.async_engine import AsyncLLMEngine
 
 
@@ -155,58 +155,30 @@ def test_a_request_gets_its_timeline_when_it_asks_for_it(real_engine):
     serve(real_engine, scenario)
 
 
-class _OTLPReceiver(trace_service_pb2_grpc.TraceServiceServicer):
-    """A real OTLP/gRPC trace receiver (opentelemetry-proto's TraceService): what a collector
-    or Jaeger listens with. It keeps every span it is sent."""
-
-    def __init__(self) -> None:
-        self.spans: list = []
-
-    def Export(self, request, context):  # noqa: N802 - the RPC's name
-        for resource in request.resource_spans:
-            for scope in resource.scope_spans:
-                self.spans.extend(scope.spans)
-        return trace_service_pb2.ExportTraceServiceResponse()
-
-
 def test_request_spans_reach_an_otlp_receiver_under_the_callers_trace(real_engine):
-    from concurrent.futures import ThreadPoolExecutor
-
     from cluster.tracing import RequestTracer
-
-    receiver = _OTLPReceiver()
-    collector = grpc.server(ThreadPoolExecutor(2))
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(receiver, collector)
-    port = collector.add_insecure_port("127.0.0.1:0")
-    collector.start()
-    tracer = RequestTracer(f"127.0.0.1:{port}")
-    trace_id, parent_id = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
 
     async def scenario(stub, core):
         params = pb.SamplingParams(temperature=0, max_tokens=3)
-        caller = [("traceparent", f"00-{trace_id}-{parent_id}-01")]
         done = [r async for r in stub.Generate(
             pb.GenerateRequest(prompt="Hello", params=params, request_id="traced"),
-            metadata=caller)]
+            metadata=[("traceparent", CALLER_TRACEPARENT)])]
         assert done[-1].finish_reason == pb.FINISH_REASON_LENGTH
         [r async for r in stub.Generate(
             pb.GenerateRequest(prompt="Hi", params=params, request_id="untraced"))]
 
-    try:
-        serve(real_engine, scenario, tracer=tracer)
-        assert tracer.flush()
-    finally:
-        tracer.shutdown()
-        collector.stop(None)
-    by_request = {}
-    for span in receiver.spans:
-        if span.name == "llm_request":
-            attrs = {a.key: a.value for a in span.attributes}
-            by_request[attrs["gen_ai.request.id"].string_value] = (span, attrs)
-    root, attrs = by_request["traced"]
-    assert root.trace_id.hex() == trace_id and root.parent_span_id.hex() == parent_id
+    with otlp_receiver() as receiver:
+        tracer = RequestTracer(receiver.endpoint)
+        try:
+            serve(real_engine, scenario, tracer=tracer)
+            assert tracer.flush()
+        finally:
+            tracer.shutdown()
+    spans = receiver.request_spans()
+    root, attrs = spans["traced"]
+    assert root.trace_id.hex() == CALLER_TRACE_ID and root.parent_span_id.hex() == CALLER_SPAN_ID
     assert attrs["gen_ai.usage.output_tokens"].int_value == 3
-    children = [s for s in receiver.spans if s.parent_span_id == root.span_id]
+    children = receiver.children(root)
     assert [s.name for s in children] == ["queued", "prefill", "decode"]
     assert all(s.trace_id == root.trace_id for s in children)
     assert root.start_time_unix_nano <= children[0].start_time_unix_nano
@@ -215,5 +187,5 @@ def test_request_spans_reach_an_otlp_receiver_under_the_callers_trace(real_engin
     assert decode["kvserve.steps"].int_value == 2  # tokens 2 and 3; the first came from prefill
     assert "first_token" in [e.name for e in root.events]
     # without a caller's context, a trace of its own
-    lone, _ = by_request["untraced"]
-    assert lone.trace_id.hex() != trace_id and not lone.parent_span_id
+    lone, _ = spans["untraced"]
+    assert lone.trace_id.hex() != CALLER_TRACE_ID and not lone.parent_span_id

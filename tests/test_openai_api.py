@@ -24,6 +24,7 @@ from cluster.openai.http import build_openai_app
 from cluster.openai.serving import OpenAIServing
 from cluster.tenant_limits import TenantLimiter
 from tests.helpers import assert_engine_idle, poll, solo_ids
+from tests.otlp import CALLER_SPAN_ID, CALLER_TRACE_ID, CALLER_TRACEPARENT, otlp_receiver
 from workers.async_engine import AsyncLLMEngine
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
@@ -41,11 +42,11 @@ class Local:
 
 @contextlib.contextmanager
 def http_server(engine: LLMEngine, gate: Gate = OPEN_GATE, on_usage=None,
-                observe=None) -> Iterator[Local]:
+                observe=None, tracer=None) -> Iterator[Local]:
     """`engine` behind the OpenAI app on uvicorn, in a thread; its AsyncLLMEngine is shut
     down (and must have left `engine` idle) when the block ends."""
     core = AsyncLLMEngine(engine)
-    serving = OpenAIServing(core, on_usage=on_usage, observe=observe)
+    serving = OpenAIServing(core, on_usage=on_usage, observe=observe, tracer=tracer)
     app = build_openai_app(serving, on_shutdown=core.shutdown, gate=gate)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
@@ -370,3 +371,22 @@ def test_a_replica_that_cannot_serve_answers_503_in_openais_shape(make_tiny_engi
         serving.health()
     assert err.value.status == 503 and err.value.body()["error"]["type"] == \
         "service_unavailable_error"
+
+
+def test_an_http_callers_traceparent_is_the_parent_of_its_request_spans(real_engine):
+    from cluster.tracing import RequestTracer
+
+    with otlp_receiver() as receiver:
+        tracer = RequestTracer(receiver.endpoint)
+        try:
+            with http_server(real_engine, tracer=tracer) as served:
+                reply = served.client.chat.completions.create(
+                    model="SmolLM2-135M-Instruct", messages=MESSAGES, max_tokens=3,
+                    temperature=0, extra_headers={"traceparent": CALLER_TRACEPARENT})
+            assert tracer.flush()
+        finally:
+            tracer.shutdown()
+    [(root, attrs)] = receiver.request_spans().values()
+    assert root.trace_id.hex() == CALLER_TRACE_ID and root.parent_span_id.hex() == CALLER_SPAN_ID
+    assert attrs["gen_ai.usage.output_tokens"].int_value == reply.usage.completion_tokens == 3
+    assert [s.name for s in receiver.children(root)] == ["queued", "prefill", "decode"]

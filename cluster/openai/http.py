@@ -25,6 +25,7 @@ from cluster.openai.protocol import (
     TokenizeRequest,
 )
 from cluster.openai.serving import OpenAIServing
+from cluster.tracing import trace_context
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict"}
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/tokenize")
@@ -63,14 +64,15 @@ def build_openai_app(serving: OpenAIServing,
         return JSONResponse(validation_error(exc).body(), status_code=400)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest,
+    async def completions(body: CompletionRequest, request: Request,
                           tenant: str | None = Depends(caller)) -> Any:
-        return _respond(await serving.completions(body, tenant))
+        return _respond(await serving.completions(body, tenant,
+                                                  trace_context(request.headers)))
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest,
+    async def chat_completions(body: ChatCompletionRequest, request: Request,
                                tenant: str | None = Depends(caller)) -> Any:
-        return _respond(await serving.chat(body, tenant))
+        return _respond(await serving.chat(body, tenant, trace_context(request.headers)))
 
     @app.get("/v1/models")
     async def models(_: str | None = Depends(keyholder)) -> Any:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +34,7 @@ from cluster.openai.protocol import (
     new_id,
     now,
 )
+from cluster.tracing import RequestTracer, traced
 from workers.async_engine import AsyncLLMEngine, Observer, unobserved
 from workers.core.outputs import RequestOutput, TokenLogprobs
 from workers.errors import EngineShutdownError, InvalidRequestError, QueueFullError
@@ -91,15 +92,18 @@ class _Sample:
 class OpenAIServing:
     def __init__(self, engine: AsyncLLMEngine, served_model_name: str | None = None,
                  observe: Observer | None = None, replicas: int = 1,
-                 on_usage: Callable[[str, int], None] | None = None) -> None:
+                 on_usage: Callable[[str, int], None] | None = None,
+                 tracer: RequestTracer | None = None) -> None:
         """`observe` wraps each engine output stream (the replica's metrics), as gRPC's;
         `replicas`: the deployment's, as /v1/models reports it; `on_usage(tenant, tokens)`:
-        told the prompt + completion tokens of each request a tenant made (its limits)."""
+        told the prompt + completion tokens of each request a tenant made (its limits);
+        `tracer`: each request's OpenTelemetry spans, under the caller's `traceparent`."""
         self.engine = engine
         self.replicas = replicas
         self.on_usage = on_usage
         self.model = served_model_name or engine.info.name
         self.observe = observe or unobserved
+        self.tracer = tracer
 
     # -- small endpoints ---------------------------------------------------------------------
     def models(self) -> dict[str, Any]:
@@ -136,9 +140,11 @@ class OpenAIServing:
                               f"`{self.model}`).", param="model", code="model_not_found")
 
     # -- completions -------------------------------------------------------------------------
-    async def completions(self, req: CompletionRequest, tenant: str | None = None
+    async def completions(self, req: CompletionRequest, tenant: str | None = None,
+                          trace: Mapping[str, str] | None = None,
                           ) -> dict[str, Any] | AsyncIterator[str]:
-        """`tenant`: the caller's (API key), its default prefix-cache salt."""
+        """`tenant`: the caller's (API key), its default prefix-cache salt; `trace`: the
+        caller's W3C trace context (its `traceparent` header)."""
         rename = {"prompt_token_ids": "prompt"}
         self._check(req)
         prompts = req.prompts()
@@ -149,7 +155,7 @@ class OpenAIServing:
             raise openai_error(exc, rename) from exc
         max_tokens = req.max_tokens if req.max_tokens is not None else 16  # OpenAI's default
         samples = await self._start(req, ids, lambda _: max_tokens, req.logprobs, rename,
-                                    tenant)
+                                    tenant, trace)
         head = {"id": new_id("cmpl"), "object": "text_completion", "created": now(),
                 "model": self.model}
         echoes = [self.engine.detokenize(i) if req.echo else "" for i in ids]
@@ -191,7 +197,8 @@ class OpenAIServing:
                 "top_logprobs": tops, "text_offset": offsets}
 
     # -- chat completions --------------------------------------------------------------------
-    async def chat(self, req: ChatCompletionRequest, tenant: str | None = None
+    async def chat(self, req: ChatCompletionRequest, tenant: str | None = None,
+                   trace: Mapping[str, str] | None = None,
                    ) -> dict[str, Any] | AsyncIterator[str]:
         limit_name = "max_completion_tokens" if req.max_completion_tokens is not None \
             else "max_tokens"
@@ -207,7 +214,7 @@ class OpenAIServing:
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         samples = await self._start(
             req, [ids], lambda n: asked if asked is not None else self._room(n), logprobs,
-            rename, tenant)
+            rename, tenant, trace)
         head = {"id": new_id("chatcmpl"), "object": "chat.completion", "created": now(),
                 "model": self.model}
         if req.stream:
@@ -259,7 +266,8 @@ class OpenAIServing:
 
     async def _start(self, req: SamplingFields, prompts: list[list[int]],
                      max_tokens: Callable[[int], int], logprobs: int | None,
-                     rename: dict[str, str], tenant: str | None) -> list[_Sample]:
+                     rename: dict[str, str], tenant: str | None,
+                     trace: Mapping[str, str] | None = None) -> list[_Sample]:
         """Open n streams per prompt and await each one's first output (see the module's
         docstring); on any error close the ones opened, then raise it OpenAI-shaped.
 
@@ -272,9 +280,9 @@ class OpenAIServing:
         def open_sample(p: int, ids: list[int], j: int) -> _Sample:
             params = _engine_params(req, max_tokens(len(ids)), logprobs, j)
             index = p * req.n + j
-            stream = self.observe(self.engine.generate(
+            stream = traced(self.observe(self.engine.generate(
                 prompt_token_ids=ids, params=params, cache_salt=salt,
-                request_id=f"{request_id}-{index}"))
+                request_id=f"{request_id}-{index}")), self.tracer, trace)
             return _Sample(index, ids, stream)
 
         samples: list[_Sample] = []
