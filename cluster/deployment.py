@@ -76,7 +76,9 @@ class GenerationDeployment:
         self.openai = OpenAIServing(self.async_engine, observe=self._observe,
                                     replicas=replicas, on_usage=self._used,
                                     tracer=self.tracer)
-        self.status_publisher = StatusPublisher(self.engine.load).start()
+        self.status_publisher = StatusPublisher(self.engine.load,
+                                                device=self.engine.info.device).start()
+        _say_if_a_gpu_is_only_logical(self.status_publisher.gpu_ids, self.engine.info.device)
         self.kv_reporter = _start_kv_reporter(self.engine, self.status_publisher.replica_id,
                                               cache_manager_config or {})
         self.open_streams = 0
@@ -259,6 +261,16 @@ async def _warm_up(engine: AsyncLLMEngine) -> WarmUp:
     logger.info("kvserve: warm-up: %d prompt tokens, %d generated, in %.2f s",
                 result.prompt_tokens, result.generated_tokens, result.seconds)
     return result
+
+
+def _say_if_a_gpu_is_only_logical(gpu_ids: list[str], device: str) -> None:
+    """Ray gave this replica a GPU (num_gpus_per_replica) that has no CUDA device behind it:
+    a simulated node (`kvserve up --local-nodes N --gpus-per-node G`) or a broken driver. Say
+    so once, in the replica's log; the engine runs on the CPU."""
+    if gpu_ids and not device.startswith("cuda"):
+        logger.warning("kvserve: Ray assigned GPU %s to this replica, but no CUDA device is "
+                       "visible: a logical GPU only; the engine runs on %s",
+                       ",".join(gpu_ids), device)
 
 
 def _start_kv_reporter(engine: LLMEngine, replica_id: str, config: dict) -> KVReporter:

@@ -31,7 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +55,8 @@ class UpState:
     temp_dir: str | None = None
     dashboard_url: str | None = None
     env: dict[str, str] | None = None  # environment drivers need to connect (auth token)
+    # `kvserve up --local-nodes N`: the worker nodes' `ray start --block` processes
+    node_pids: list[int] = field(default_factory=list)
 
     def head_alive(self) -> bool:
         return self.head_pid is not None and _is_head(self.head_pid, self.temp_dir)
@@ -159,11 +161,30 @@ def num_cpus_for(cpus_needed: float) -> int:
     return max(os.cpu_count() or 1, math.ceil(cpus_needed))
 
 
-def start_head(num_cpus: int, timeout: float = 120, fate_share: bool = False) -> UpState:
+@dataclass(frozen=True)
+class LocalNodes:
+    """The Ray nodes `kvserve up` starts on this machine: a head and `count - 1` worker nodes,
+    each declaring `gpus_per_node` GPUs (logical where the machine has none: everything above
+    the device runs as on a GPU cluster) and its share of the CPUs."""
+
+    count: int = 1
+    gpus_per_node: int = 0
+
+    def cpus_per_node(self, cpus_needed: float) -> int:
+        """The head alone gets the machine (or what the replicas need); with several nodes,
+        each gets its share of the machine's CPUs, or of what the replicas need."""
+        if self.count == 1:
+            return num_cpus_for(cpus_needed)
+        return max(1, (os.cpu_count() or 1) // self.count, math.ceil(cpus_needed / self.count))
+
+
+def start_head(num_cpus: int, timeout: float = 120, fate_share: bool = False,
+               num_gpus: int = 0) -> UpState:
     """`ray start --head --block` in its own session; returns once the GCS address is known.
 
     `fate_share`: the head gets SIGTERM when the calling thread ends, as it does when this
-    process dies, however it dies (call it from the main thread)."""
+    process dies, however it dies (call it from the main thread). `num_gpus`: the GPUs it
+    declares (logical ones where the machine has fewer: Ray schedules them all the same)."""
     ray_bin = Path(sys.executable).with_name("ray")
     temp_dir = tempfile.mkdtemp(prefix=TEMP_PREFIX)
     write_token(temp_dir)
@@ -174,6 +195,7 @@ def start_head(num_cpus: int, timeout: float = 120, fate_share: bool = False) ->
         f"--dashboard-port={dashboard_port}", f"--port={free_port()}",
         f"--ray-client-server-port={free_port()}",
         f"--dashboard-agent-listen-port={free_port()}", f"--temp-dir={temp_dir}",
+        *([f"--num-gpus={num_gpus}"] if num_gpus else []),
     ]
     # a one-node head has nowhere to drain replicas to: stop at once on SIGTERM
     env = os.environ | auth_env(temp_dir) | {"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
@@ -201,9 +223,69 @@ def start_head(num_cpus: int, timeout: float = 120, fate_share: bool = False) ->
                    dashboard_url=f"http://127.0.0.1:{dashboard_port}", env=auth_env(temp_dir))
 
 
-def stop_head(head_pid: int, temp_dir: str | None, timeout: float = 30) -> None:
+def start_worker_nodes(state: UpState, count: int, num_cpus: int, num_gpus: int = 0,
+                       timeout: float = 120, fate_share: bool = False) -> list[int]:
+    """`count` more nodes of the head's cluster on this machine (`kvserve up --local-nodes`):
+    each a `ray start --address --block` in its own session, with its own raylet, `num_cpus`
+    CPUs and `num_gpus` (logical) GPUs, sharing the head's temp dir and auth token. Returns
+    their pids once each says it started (`stop_head(..., node_pids=...)` stops them).
+
+    One after the other: raylets started at the same moment on one machine can pick the same
+    free port for one of their agents, and the loser never registers (Ray gives up after 30 s)."""
+    ray_bin = Path(sys.executable).with_name("ray")
+    env = os.environ | auth_env(state.temp_dir) | {PROXY_CALLBACK_ENV: PROXY_CALLBACK}
+    for name in ("RAY_ADDRESS", "RAY_AUTH_TOKEN"):
+        env.pop(name, None)
+    pids: list[int] = []
+    deadline = time.monotonic() + timeout
+    try:
+        for i in range(count):
+            cmd = [str(ray_bin), "start", f"--address={state.address}", "--block",
+                   "--disable-usage-stats", f"--num-cpus={num_cpus}", f"--num-gpus={num_gpus}",
+                   f"--temp-dir={state.temp_dir}", f"--dashboard-agent-listen-port={free_port()}",
+                   f"--metrics-export-port={free_port()}"]
+            log = Path(state.temp_dir) / f"ray-start-node-{i + 1}.log"
+            with open(log, "w") as out:
+                proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out,
+                                        stderr=subprocess.STDOUT, env=env,
+                                        start_new_session=True,
+                                        preexec_fn=die_with_parent() if fate_share else None)
+            pids.append(proc.pid)
+            while "Ray runtime started" not in log.read_text():
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"ray start --address failed (exit {proc.poll()}):\n"
+                                       f"{log.read_text()[-3000:]}")
+                time.sleep(0.2)
+    except BaseException:
+        _stop_sessions(pids, state.temp_dir)
+        raise
+    return pids
+
+
+def _stop_sessions(pids: list[int], temp_dir: str | None, timeout: float = 30) -> None:
+    """SIGTERM each `ray start --block` of ours, then SIGKILL what is left of its session."""
+    ours = [p for p in pids if pid_alive(p) and _is_ray_start(p, temp_dir)]
+    for pid in ours:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while any(pid_alive(p) for p in ours) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for pid in pids:
+        for left in _session_pids(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(left, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)
+
+
+def stop_head(head_pid: int, temp_dir: str | None, timeout: float = 30,
+              node_pids: list[int] | None = None) -> None:
     """SIGTERM the `ray start --block` process (it stops its raylet, GCS, dashboard, ...), then
-    SIGKILL whatever of its session is left (workers run in process groups of their own)."""
+    SIGKILL whatever of its session is left (workers run in process groups of their own).
+    `node_pids`: worker nodes kvserve started beside it (`--local-nodes`), stopped first."""
+    if node_pids:
+        _stop_sessions(node_pids, temp_dir)
     if pid_alive(head_pid) and not _is_head(head_pid, temp_dir):
         return  # the pid was reused by someone else: their processes are not ours to stop
     with contextlib.suppress(ProcessLookupError):
@@ -240,6 +322,12 @@ def _session_pids(sid: int) -> list[int]:
 def _is_head(pid: int, temp_dir: str | None) -> bool:
     line = cmdline(pid)
     return pid_alive(pid) and "start --head" in line and (not temp_dir or temp_dir in line)
+
+
+def _is_ray_start(pid: int, temp_dir: str | None) -> bool:
+    """A `ray start` (head or worker node) of ours: not a reused pid."""
+    line = cmdline(pid)
+    return "ray" in line and " start " in line and (not temp_dir or temp_dir in line)
 
 
 def reachable(address: str, timeout: float = 2.0) -> bool:

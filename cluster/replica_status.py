@@ -14,7 +14,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from cluster import ray_compat
 
@@ -36,6 +36,9 @@ class ReplicaStatus:
     kv_cache_usage: float  # fraction of KV blocks in use, 0-1
     updated_at: float  # unix time
     rss_bytes: int = 0  # the replica process's resident memory (soak tests watch it)
+    node_id: str = ""  # the Ray node it runs on
+    gpu_ids: list[str] = field(default_factory=list)  # the GPUs Ray gave it (logical ones too)
+    device: str = ""  # where its engine runs: cpu, cuda:0, ...
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -51,6 +54,9 @@ class ReplicaStatus:
             node_ip=str(values["node_ip"]), running=int(values["running"]),
             waiting=int(values["waiting"]), kv_cache_usage=float(values["kv_cache_usage"]),
             updated_at=float(values["updated_at"]), rss_bytes=int(values.get("rss_bytes", 0)),
+            node_id=str(values.get("node_id", "")),
+            gpu_ids=[str(g) for g in values.get("gpu_ids", [])],
+            device=str(values.get("device", "")),
         )
 
 
@@ -114,10 +120,12 @@ class StatusPublisher:
 
     def __init__(self, snapshot: Callable[[], tuple[int, int, float]],
                  replica_id: str | None = None, node_ip: str | None = None,
-                 interval: float = PUBLISH_INTERVAL_S) -> None:
+                 interval: float = PUBLISH_INTERVAL_S, device: str = "") -> None:
         self.snapshot = snapshot
         self.replica_id = replica_id or _replica_id()
         self.node_ip = node_ip or _node_ip()
+        self.node_id, self.gpu_ids = placement()
+        self.device = device
         self.pid = os.getpid()
         self.interval = interval
         self._stop = threading.Event()
@@ -127,7 +135,8 @@ class StatusPublisher:
     def current(self) -> ReplicaStatus:
         running, waiting, usage = self.snapshot()
         return ReplicaStatus(self.replica_id, self.pid, self.node_ip, int(running), int(waiting),
-                             float(usage), time.time(), _resident_bytes())
+                             float(usage), time.time(), _resident_bytes(), self.node_id,
+                             list(self.gpu_ids), self.device)
 
     def publish_once(self) -> None:
         try:
@@ -165,6 +174,18 @@ def _replica_id() -> str:
         return serve.get_replica_context().replica_id.unique_id
     except Exception:  # noqa: BLE001 - outside a replica (tests): the process is the replica
         return f"pid-{os.getpid()}"
+
+
+def placement() -> tuple[str, list[str]]:
+    """This process's Ray node id and the GPU ids Ray assigned it (("", []) outside Ray)."""
+    try:
+        import ray
+
+        context = ray.get_runtime_context()
+        return context.get_node_id(), [str(g) for g in
+                                       context.get_accelerator_ids().get("GPU", [])]
+    except Exception:  # noqa: BLE001 - outside a Ray worker (tests)
+        return "", []
 
 
 def _node_ip() -> str:

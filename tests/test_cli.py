@@ -193,10 +193,13 @@ def test_up_flags_for_gpu_replicas_reach_the_app_config(monkeypatch):
 
     seen = {}
     monkeypatch.setattr(kvserve.cli.launch, "serve_until_interrupted",
-                        lambda path, overrides, port, http_port: seen.update(
-                            config=kvserve.cli.launch.load_config(path, overrides)) or 0)
+                        lambda path, overrides, port, http_port, nodes: seen.update(
+                            config=kvserve.cli.launch.load_config(path, overrides),
+                            nodes=nodes) or 0)
     assert main(["up", "--dtype", "bfloat16", "--device", "cpu", "--attention-backend", "torch",
-                 "--num-gpus-per-replica", "0"]) == 0
+                 "--num-gpus-per-replica", "0", "--local-nodes", "3", "--gpus-per-node",
+                 "1"]) == 0
+    assert (seen["nodes"].count, seen["nodes"].gpus_per_node) == (3, 1)
     config = seen["config"]
     assert (config.dtype, config.device, config.attention_backend) == ("bfloat16", "cpu", "torch")
     assert config.engine_config()["dtype"] == "bfloat16"

@@ -129,3 +129,12 @@ def test_free_port_never_hands_out_one_of_rays_default_ports(monkeypatch):
 
     monkeypatch.setattr(local_head.socket, "socket", Drawn)
     assert local_head.free_port() == 40001
+
+
+def test_local_nodes_share_the_machines_cpus_or_what_the_replicas_need(monkeypatch):
+    monkeypatch.setattr(local_head.os, "cpu_count", lambda: 2)
+    assert local_head.LocalNodes(1).cpus_per_node(1) == 2  # one head: the whole machine
+    assert local_head.LocalNodes(1).cpus_per_node(5) == 5
+    assert local_head.LocalNodes(2).cpus_per_node(1) == 1  # its share
+    assert local_head.LocalNodes(3).cpus_per_node(3) == 1  # at least one each
+    assert local_head.LocalNodes(3).cpus_per_node(6) == 2  # or what the replicas need

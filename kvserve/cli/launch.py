@@ -14,7 +14,7 @@ from kvserve.process import sigterm_as_interrupt
 from workers.model_executor.loader import DEFAULT_MODEL
 
 if TYPE_CHECKING:
-    from cluster.local_head import UpState
+    from cluster.local_head import LocalNodes, UpState
 
 APP_NAME = "kvserve"
 
@@ -33,7 +33,8 @@ def load_config(path: str | None, overrides: dict[str, Any]) -> AppConfig:
 
 
 def serve_until_interrupted(config_path: str | None, overrides: dict[str, Any],
-                            grpc_port: int, http_port: int) -> int:
+                            grpc_port: int, http_port: int,
+                            nodes: LocalNodes | None = None) -> int:
     """`kvserve up`: deploy as `start` does, serve until SIGINT or SIGTERM (one sent to the
     whole process group, as `timeout` sends it, included), then take down what it started.
     Its head is tied to this process: a SIGKILL of it takes the head down too."""
@@ -42,7 +43,7 @@ def serve_until_interrupted(config_path: str | None, overrides: dict[str, Any],
 
     config = load_config(config_path, overrides)
     with sigterm_as_interrupt():
-        state = start(config, grpc_port, fate_share=True, http_port=http_port)
+        state = start(config, grpc_port, fate_share=True, http_port=http_port, nodes=nodes)
         if state is None:
             return 1
         try:
@@ -59,10 +60,10 @@ def serve_until_interrupted(config_path: str | None, overrides: dict[str, Any],
 
 
 def deploy_detached(config_path: str | None, overrides: dict[str, Any], grpc_port: int,
-                    http_port: int) -> int:
+                    http_port: int, nodes: LocalNodes | None = None) -> int:
     """`kvserve up --detach`: deploy as `start` does and return; `kvserve down` stops it."""
     state = start(load_config(config_path, overrides), grpc_port, fate_share=False,
-                  http_port=http_port)
+                  http_port=http_port, nodes=nodes)
     if state is None:
         return 1
     print("kvserve: check with: kvserve status; stop with: kvserve down", flush=True)
@@ -70,21 +71,39 @@ def deploy_detached(config_path: str | None, overrides: dict[str, Any], grpc_por
 
 
 def start(config: AppConfig, grpc_port: int, fate_share: bool,
-          http_port: int, record: bool = True) -> UpState | None:
+          http_port: int, record: bool = True, nodes: LocalNodes | None = None
+          ) -> UpState | None:
     """Deploy onto RAY_ADDRESS's cluster, or onto a Ray head started here as its own process
     (cluster/local_head.py), and record it in the state file for `kvserve status` / `down`.
     `fate_share`: the head ends when this process does. `record=False`: a deployment the caller
-    keeps to itself (`kvserve loadtest`'s), beside any recorded one. None (and a message) on
+    keeps to itself (`kvserve loadtest`'s), beside any recorded one. `nodes`: how many Ray
+    nodes to start here, and their GPUs (default: one head, no GPUs). None (and a message) on
     failure."""
     import sys
 
     from cluster import local_head
 
+    nodes = nodes or local_head.LocalNodes()
     address = os.environ.get("RAY_ADDRESS") or None
     if address is None:
         replicas = config.autoscaling.max_replicas if config.autoscaling else config.replicas
-        cpus = local_head.num_cpus_for(replicas * config.num_cpus_per_replica)
-        state = local_head.start_head(cpus, fate_share=fate_share)  # stops it if interrupted
+        cpus = nodes.cpus_per_node(replicas * config.num_cpus_per_replica)
+        state = local_head.start_head(cpus, fate_share=fate_share,  # stops it if interrupted
+                                      num_gpus=nodes.gpus_per_node)
+        if nodes.count > 1:
+            try:
+                state.node_pids = local_head.start_worker_nodes(
+                    state, nodes.count - 1, cpus, nodes.gpus_per_node, fate_share=fate_share)
+            except BaseException:
+                local_head.stop_head(state.head_pid, state.temp_dir)
+                raise
+            print(f"kvserve: started {nodes.count} Ray nodes here (a head and "
+                  f"{nodes.count - 1} workers), each with {cpus} CPUs and "
+                  f"{nodes.gpus_per_node} GPUs", flush=True)
+    elif nodes.count > 1:
+        print("kvserve: --local-nodes starts a cluster of its own: unset RAY_ADDRESS",
+              file=sys.stderr)
+        return None
     else:
         state = local_head.UpState(address=address, started_head=False, grpc_port=grpc_port)
     try:
@@ -92,7 +111,7 @@ def start(config: AppConfig, grpc_port: int, fate_share: bool,
         dashboard = _deploy(config, state, grpc_port, http_port)
     except BaseException as exc:  # a failure, or an interrupt (Ctrl-C, SIGTERM) while deploying
         if state.started_head:
-            local_head.stop_head(state.head_pid, state.temp_dir)
+            local_head.stop_head(state.head_pid, state.temp_dir, node_pids=state.node_pids)
         if isinstance(exc, Exception):
             print(f"kvserve: deployment failed: {exc}", file=sys.stderr)
             return None
@@ -126,6 +145,9 @@ def _deploy(config: AppConfig, state: Any, grpc_port: int, http_port: int) -> st
     context = connect_driver(state.address, state.env)
     try:
         serve.start(
+            # nodes simulated on one machine share its ports: one proxy, on the head (a real
+            # cluster keeps Serve's default, a proxy on every node)
+            proxy_location="HeadOnly" if state.node_pids else None,
             grpc_options=gRPCOptions(port=grpc_port,
                                      grpc_servicer_functions=GRPC_SERVICER_FUNCTIONS),
             # the OpenAI-compatible API (cluster/openai), on loopback

@@ -37,6 +37,14 @@ def add_up(sub) -> None:
                         "/tokenize; default 8000, Serve's and vLLM's)")
     p.add_argument("--num-gpus-per-replica", type=float, default=None,
                    help="GPUs Ray reserves per replica (default 0; 1 on GPU nodes)")
+    p.add_argument("--local-nodes", type=int, default=1, metavar="N",
+                   help="start N Ray nodes on this machine (a head and N-1 workers, separate "
+                        "raylets sharing the CPUs): a multi-node cluster, simulated; not with "
+                        "RAY_ADDRESS (default 1)")
+    p.add_argument("--gpus-per-node", type=int, default=0, metavar="G",
+                   help="GPUs each started node declares; logical where the machine has none "
+                        "(Ray schedules them alike; a replica then says so once and runs on "
+                        "the CPU). Default 0")
     p.add_argument("--redis-url", default=None,
                    help="Redis for the cache manager's index (default: $REDIS_URL, else an "
                         "embedded redis-server)")
@@ -72,13 +80,17 @@ def _run_up(args: argparse.Namespace) -> int:
 
     if already_up(local_head.read_live_state()):  # before the ~6 s of Ray and engine imports
         return 1
+    if args.local_nodes < 1 or args.gpus_per_node < 0:
+        raise SystemExit("kvserve: --local-nodes must be >= 1 and --gpus-per-node >= 0")
+    nodes = local_head.LocalNodes(args.local_nodes, args.gpus_per_node)
     if args.detach:
         from kvserve.cli.launch import deploy_detached
 
-        return deploy_detached(args.config, overrides, args.grpc_port, args.http_port)
+        return deploy_detached(args.config, overrides, args.grpc_port, args.http_port, nodes)
     from kvserve.cli.launch import serve_until_interrupted
 
-    return serve_until_interrupted(args.config, overrides, args.grpc_port, args.http_port)
+    return serve_until_interrupted(args.config, overrides, args.grpc_port, args.http_port,
+                                   nodes)
 
 
 def keys_file_for(keys: list[str] | None, keys_file: str | None) -> str | None:

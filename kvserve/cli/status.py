@@ -82,7 +82,8 @@ def collect_status(app_name: str = APP_NAME) -> dict[str, Any] | None:
             row = rows.get(r.replica_id)
             replicas.append({
                 "replica_id": r.replica_id, "deployment": name, "state": str(r.state.value),
-                "pid": r.pid, "node_ip": r.node_ip,
+                "pid": r.pid, "node_ip": r.node_ip, "node_id": r.node_id,
+                "gpu_ids": row.gpu_ids if row else None, "device": row.device if row else None,
                 "running": row.running if row else None, "waiting": row.waiting if row else None,
                 "kv_cache_usage": row.kv_cache_usage if row else None,
                 "rss_mib": round(row.rss_bytes / 1024**2) if row and row.rss_bytes else None,
@@ -151,10 +152,11 @@ def format_status(report: dict[str, Any]) -> str:
         counts = ", ".join(f"{k}={v}" for k, v in sorted(dep["replica_states"].items()))
         lines.append(f"deployment {name}: {dep['status']} ({counts or 'no replicas'}; "
                      f"target {dep['target_replicas']})")
-    header = ("REPLICA", "PID", "STATE", "RUNNING", "WAITING", "KV %", "HOST KV %", "CACHED",
-              "PREFIX HIT %", "RSS MiB")
+    header = ("REPLICA", "PID", "NODE", "GPU", "STATE", "RUNNING", "WAITING", "KV %",
+              "HOST KV %", "CACHED", "PREFIX HIT %", "RSS MiB")
     table = [header] + [(
-        r["replica_id"], str(r["pid"] or "-"), r["state"], _or_dash(r["running"]),
+        r["replica_id"], str(r["pid"] or "-"), (r.get("node_id") or "-")[:8],
+        ",".join(r.get("gpu_ids") or []) or "-", r["state"], _or_dash(r["running"]),
         _or_dash(r["waiting"]), _percent(r["kv_cache_usage"]), _percent(r.get("kv_host_usage")),
         _or_dash(r.get("kv_cached_blocks")), _percent(r.get("prefix_cache_hit_rate")),
         _or_dash(r.get("rss_mib")),
@@ -222,7 +224,7 @@ def down(address: str | None, state: local_head.UpState | None = None) -> int:
         local_head.disconnect_driver()
     if stop_head:
         start = time.monotonic()
-        local_head.stop_head(state.head_pid, state.temp_dir)
+        local_head.stop_head(state.head_pid, state.temp_dir, node_pids=state.node_pids)
         print(f"kvserve: stopped the Ray head at {target} that kvserve started "
               f"({time.monotonic() - start:.1f} s)", flush=True)
     recorded = local_head.read_state()
