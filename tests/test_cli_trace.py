@@ -59,3 +59,11 @@ def test_explain_on_the_command_line_prints_the_steps_and_writes_json(tmp_path, 
     assert [s["t"] for s in report["steps"]] == [0, 1, 2]
     assert "t=0" in text and "t=2" in text and "attention scores 9 x 1 x" in text
     assert "K and V each" in text and "top-5" in text
+
+
+def test_a_bad_explain_request_is_one_line_naming_the_field(tmp_path, capsys):
+    assert main(["trace", "--explain", "Hi", "--max-tokens", "0", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == "kvserve: invalid request: max_tokens: must be >= 1, got 0"
+    assert main(["trace", "--explain", "", "--out", str(tmp_path)]) == 2
+    assert "prompt" in capsys.readouterr().err

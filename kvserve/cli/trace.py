@@ -58,6 +58,16 @@ def add_trace(sub) -> None:
 
 
 def _run_trace(args: argparse.Namespace) -> int:
+    from workers.errors import InvalidRequestError
+
+    try:
+        return _trace(args)
+    except InvalidRequestError as exc:  # a bad prompt or max_tokens: one line, exit 2
+        print(f"kvserve: invalid request: {exc}", file=sys.stderr)
+        return 2
+
+
+def _trace(args: argparse.Namespace) -> int:
     from workers.model_executor.loader import resolve_model_dir
 
     if args.deployment:
