@@ -4,8 +4,16 @@ The first replica of a deployment starts it (`get_or_start`); Ray restarts it if
 the restarted manager rebuilds Redis from the replicas' full reports. Without a Redis URL it
 runs an embedded redis-server in a directory named after the node and deployment; the server
 dies with the manager's process, and a manager starting up removes the directories (and any
-server still answering there) that managers gone before it left behind. `kvserve down` calls
-`shutdown`: it deletes the deployment's keys, stops the embedded server and ends the actor.
+server still answering there) that managers gone before it left behind.
+
+Where it runs: the head node (the deployment asks for the head's own resource, with no CPUs),
+which outlives every worker node; so a worker node's failure never takes the index with it.
+The embedded server listens on a unix socket only: the manager is its only client (replicas
+and routers talk to the actor, never to Redis), wherever they run, so no port and no password
+are needed. An external Redis (`redis_url`) is for running the index apart from Ray.
+
+`kvserve down` calls `shutdown`: it deletes the deployment's keys, stops the embedded server and
+ends the actor.
 """
 
 from __future__ import annotations
@@ -62,6 +70,10 @@ class CacheManagerActor:
     def check(self, states: list[ReplicaState]) -> list[str]:
         return self.manager.check(states)
 
+    def node_id(self) -> str:
+        """The Ray node it runs on (the head's, by the deployment's placement)."""
+        return ray.get_runtime_context().get_node_id()
+
     def stats(self) -> dict[str, int]:
         return {"full_reports": self.manager.num_full_reports}
 
@@ -76,10 +88,12 @@ class CacheManagerActor:
 
 
 def get_or_start(deployment: str, redis_url: str | None = None,
-                 lease_ttl_s: float = LEASE_TTL_S) -> ray.actor.ActorHandle:
+                 lease_ttl_s: float = LEASE_TTL_S,
+                 resources: dict[str, float] | None = None) -> ray.actor.ActorHandle:
+    """`resources`: where it must run (the deployment pins it to the head node)."""
     return CacheManagerActor.options(
         name=manager_name(deployment), namespace=MANAGER_NAMESPACE, lifetime="detached",
-        get_if_exists=True,
+        get_if_exists=True, resources=resources or {},
     ).remote(deployment, redis_url, lease_ttl_s)
 
 

@@ -28,7 +28,7 @@ from ray.serve.grpc_util import RayServegRPCContext
 from cache_manager import actor as cache_manager
 from cache_manager.index import LEASE_TTL_S, REPORT_INTERVAL_MS
 from cache_manager.manager import ReplicaState
-from cluster import key_rings, tenant_limits
+from cluster import key_rings, ray_compat, tenant_limits
 from cluster.auth import OPEN_GATE, Gate, Tenant, load_key_ring
 from cluster.convert import status_code
 from cluster.kv_reporter import KVReporter
@@ -278,7 +278,8 @@ def _start_kv_reporter(engine: LLMEngine, replica_id: str, config: dict) -> KVRe
     context = serve.get_replica_context()
     key = cache_manager.deployment_key(context.app_name, context.deployment)
     manager = cache_manager.get_or_start(key, config.get("redis_url"),
-                                         config.get("lease_ttl_s", LEASE_TTL_S))
+                                         config.get("lease_ttl_s", LEASE_TTL_S),
+                                         resources=ray_compat.head_node_pin())
     interval_s = config.get("report_interval_ms", REPORT_INTERVAL_MS) / 1000
     return KVReporter(engine, manager, replica_id, interval_s=interval_s).start()
 

@@ -58,6 +58,16 @@ INTERNALS: tuple[tuple[str, str], ...] = (
 ROUTER_INSTANCE_ATTRS = ("_deployment_id", "_use_replica_queue_len_cache")
 
 
+# A resource every Ray head node has, and no other node: asking for a sliver of it pins an actor
+# to the head (Ray documents it for that; the name is Ray's convention, not an API, hence here).
+HEAD_NODE_RESOURCE = "node:__internal_head__"
+
+
+def head_node_pin() -> dict[str, float]:
+    """Actor options `resources` that place it on the head node, taking nothing there."""
+    return {HEAD_NODE_RESOURCE: 0.001}
+
+
 def ray_version_problem(version: str | None = None) -> str | None:
     """Why `version` (default: the installed Ray's) is outside the tested series, else None."""
     if version is None:

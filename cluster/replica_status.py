@@ -181,6 +181,8 @@ def placement() -> tuple[str, list[str]]:
     try:
         import ray
 
+        if not ray.is_initialized():  # get_runtime_context() would start a cluster
+            return "", []
         context = ray.get_runtime_context()
         return context.get_node_id(), [str(g) for g in
                                        context.get_accelerator_ids().get("GPU", [])]

@@ -163,7 +163,7 @@ def test_kvserve_up_flags_override_every_setting(monkeypatch):
 
     seen = {}
     monkeypatch.setattr(kvserve.cli.launch, "serve_until_interrupted",
-                        lambda path, overrides, port, http_port: seen.update(
+                        lambda path, overrides, port, http_port, nodes: seen.update(
                             config=kvserve.cli.launch.load_config(path, overrides)) or 0)
     assert main(["up", "--config", str(ROOT / "infra/serve/cpu.yaml"), *_argv(SAMPLES)]) == 0
     assert EngineConfig(**seen["config"].engine_config()) == EngineConfig(**SAMPLES)
@@ -180,7 +180,7 @@ def test_kvserve_up_none_resets_a_config_files_value_and_an_absent_flag_keeps_it
 
     seen: dict[str, Any] = {}
     monkeypatch.setattr(kvserve.cli.launch, "serve_until_interrupted",
-                        lambda path, overrides, port, http_port: seen.update(
+                        lambda path, overrides, port, http_port, nodes: seen.update(
                             config=kvserve.cli.launch.load_config(path, overrides)) or 0)
     path = tmp_path / "app.yaml"
     path.write_text("block_size: 32\nmax_model_len: 2048\n")

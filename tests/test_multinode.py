@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from cluster import local_head
+from cache_manager import actor as cache_manager
+from cluster import local_head, ray_compat
 from tests.serving import free_port
 from tests.test_cli import KVSERVE
 from tests.test_cli_detached import new_user_env
@@ -62,6 +63,20 @@ def test_three_local_nodes_one_logical_gpu_each_one_replica_per_node(model_dir, 
                       "3", "--json")
         assert gen.returncode == 0, gen.stderr
         assert len(json.loads(gen.stdout)["token_ids"]) == 3
+        # the cache manager sits on the head node, and its index matches replicas on all three
+        check = kvserve("cache", "check")
+        assert check.returncode == 0 and "matches every replica" in check.stdout, check.stderr
+        local_head.connect_driver(state.address, state.env, logging_level="ERROR")
+        try:
+            import ray
+
+            [head] = [n["NodeID"] for n in ray.nodes()
+                      if n["Alive"] and ray_compat.HEAD_NODE_RESOURCE in n["Resources"]]
+            manager = cache_manager.get(cache_manager.deployment_key("kvserve", "Generation"))
+            assert ray.get(manager.node_id.remote()) == head
+            assert head in nodes
+        finally:
+            local_head.disconnect_driver()
 
         down = kvserve("down")
         assert down.returncode == 0, down.stderr
