@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from cache_manager import actor as cache_manager
-from cluster import local_head, ray_compat
+from cluster import local_head
 from tests.serving import free_port
 from tests.test_cli import KVSERVE
 from tests.test_cli_detached import new_user_env
@@ -22,6 +22,16 @@ from tests.test_cli_detached import new_user_env
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 
 LOGICAL_GPU = "no CUDA device is visible: a logical GPU only"
+WHERE_IS_THE_MANAGER = """
+import sys, ray
+from cache_manager import actor as cache_manager
+from cluster import local_head, ray_compat
+local_head.connect_driver(sys.argv[1], logging_level="ERROR")
+[head] = [n["NodeID"] for n in ray.nodes()
+          if n["Alive"] and ray_compat.HEAD_NODE_RESOURCE in n["Resources"]]
+manager = cache_manager.get(cache_manager.deployment_key("kvserve", "Generation"))
+print(head, ray.get(manager.node_id.remote()))
+"""
 
 
 def test_three_local_nodes_one_logical_gpu_each_one_replica_per_node(model_dir, tmp_path,
@@ -66,17 +76,14 @@ def test_three_local_nodes_one_logical_gpu_each_one_replica_per_node(model_dir, 
         # the cache manager sits on the head node, and its index matches replicas on all three
         check = kvserve("cache", "check")
         assert check.returncode == 0 and "matches every replica" in check.stdout, check.stderr
-        local_head.connect_driver(state.address, state.env, logging_level="ERROR")
-        try:
-            import ray
-
-            [head] = [n["NodeID"] for n in ray.nodes()
-                      if n["Alive"] and ray_compat.HEAD_NODE_RESOURCE in n["Resources"]]
-            manager = cache_manager.get(cache_manager.deployment_key("kvserve", "Generation"))
-            assert ray.get(manager.node_id.remote()) == head
-            assert head in nodes
-        finally:
-            local_head.disconnect_driver()
+        # asked by a driver of its own: connecting this process would leave the cluster's auth
+        # settings in its environment, and the shared test cluster started later would fail
+        where = subprocess.run([sys.executable, "-c", WHERE_IS_THE_MANAGER, state.address],
+                               capture_output=True, text=True, timeout=120,
+                               env=env | (state.env or {}))
+        assert where.returncode == 0, where.stderr[-3000:]
+        head, manager_node = where.stdout.split()
+        assert manager_node == head and head in nodes
 
         down = kvserve("down")
         assert down.returncode == 0, down.stderr
