@@ -356,7 +356,8 @@ class LLMEngine:
         recording = self.history.enabled or bool(self._step_observers)
         # the batch as scheduled (the update below moves every chunk's start)
         chunks = _chunk_records(scheduled) if recording else ()
-        schedule_s = clock.lap()  # the recorder's own time is counted in history.seconds
+        schedule_s = clock.lap()  # (the chunk records' ~1 us each are in this phase; the
+        # rest of the recorder's own time is counted in history.seconds)
         self._run_copies()
         copy_s = clock.lap()
         if not scheduled.chunks:
