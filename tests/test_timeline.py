@@ -9,6 +9,7 @@ import pytest
 
 from kvserve.trace.chrome import TraceSource, chrome_trace, events_from_steps
 from tests.trace_format import trace_format_errors
+from workers.core.timeline import EVENT_KINDS
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -86,6 +87,8 @@ def test_a_scripted_schedule_is_recorded_and_traced_event_for_event(make_tiny_en
     assert [e.batch_size for e in timeline.of_kind("prefill")] == [3, 3, 3]
     times = [e.start for e in timeline.events]
     assert times == sorted(times)
+    every = [e for r in (a, b, c) for e in last[r].timeline.events]
+    assert {e.kind for e in every} == set(EVENT_KINDS)  # the script meets every kind
 
     # the Chrome trace: every decision is one slice on its request's track, and nothing else
     trace = chrome_trace([TraceSource("engine", steps, [last[r].timeline for r in (a, b, c)],

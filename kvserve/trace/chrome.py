@@ -22,8 +22,6 @@ from typing import Any
 from workers.core.timeline import PHASES, RequestTimeline, StepRecord, TimelineEvent
 
 STEP_TID = 0
-INSTANTS = {"admitted", "preempted", "swapped_out", "swapped_in", "resumed", "first_token",
-            "finished"}
 
 
 @dataclass
