@@ -56,6 +56,8 @@ from workers.core.timeline import (
     StepRecord,
     StepTotals,
     TimelineEvent,
+    preemption_events,
+    step_events,
 )
 from workers.errors import InvalidRequestError
 from workers.model_executor.attention import PagedAttention, make_backend, resolve_backend_name
@@ -362,7 +364,7 @@ class LLMEngine:
         copy_s = clock.lap()
         if not scheduled.chunks:
             if scheduled.preempted and self.history.enabled:  # a step that only preempted
-                _preemption_events(scheduled.preempted, clock.started, self.num_steps)
+                _add_preemption_events(scheduled.preempted, clock.started, self.num_steps)
             return []
         start = time.perf_counter()
         inp = self.runner.prepare(scheduled.chunks)
@@ -458,7 +460,7 @@ class LLMEngine:
             kv_device_used=kv.num_blocks - kv.num_free, kv_device_cached=len(kv.cached),
             kv_host_used=kv.host.num_used if kv.host else 0)
         if self.history.enabled:
-            _add_timeline_events(record, scheduled, activity, finished)
+            _add_timeline_events(record, scheduled)
         return record
 
     def run_until_done(self) -> Iterator[RequestOutput]:
@@ -562,41 +564,28 @@ def _chunk_records(scheduled: SchedulerOutput) -> tuple[ChunkRecord, ...]:
                  for c in scheduled.chunks)
 
 
-def _add_timeline_events(record: StepRecord, scheduled: SchedulerOutput,
-                         activity: dict, finished: list[tuple[Sequence, FinishReason]]) -> None:
-    """Each request's events of this step, in the order they happened: preempted (and swapped
-    out) during scheduling, admitted or resumed (and swapped in), its chunk computed, its
-    first token, its finish."""
-    start, end, step = record.start, record.end, record.index
-    _preemption_events(scheduled.preempted, start, step)
-    for seq in scheduled.admitted:
-        if seq.num_preemptions:
-            seq.events.append(TimelineEvent("resumed", start, step=step))
-        else:
-            seq.events.append(TimelineEvent("admitted", start, step=step,
-                                            num_tokens=seq.num_cached_prompt_tokens))
-        swapped_in = activity.get(seq.request_id)
-        if swapped_in is not None and swapped_in.swapped_in:
-            seq.events.append(TimelineEvent("swapped_in", start, step=step,
-                                            blocks=swapped_in.swapped_in))
-    batch = record.batch_size
-    for chunk, c in zip(scheduled.chunks, record.chunks, strict=True):
-        seq = chunk.seq
-        seq.events.append(TimelineEvent(c.phase, start, end, step, c.start, c.num_tokens, batch))
-        if c.samples and len(seq.output_token_ids) == 1 and seq.first_token_time is not None:
-            seq.events.append(TimelineEvent("first_token", seq.first_token_time, step=step))
-    for seq, reason in finished:
-        seq.events.append(TimelineEvent("finished", end, step=step, detail=reason.value))
+def _add_timeline_events(record: StepRecord, scheduled: SchedulerOutput) -> None:
+    """Append the step's events (`timeline.step_events`) to its requests' timelines."""
+    seqs = {s.request_id: s for s in (*scheduled.preempted, *scheduled.admitted,
+                                      *(c.seq for c in scheduled.chunks))}
+    first_tokens = {chunk.seq.request_id: chunk.seq.first_token_time  # (the record's chunks:
+                    for chunk, c in zip(scheduled.chunks, record.chunks, strict=True)  # as run)
+                    if c.samples and len(chunk.seq.output_token_ids) == 1}
+    events = step_events(
+        record, resumed={s.request_id for s in scheduled.admitted if s.num_preemptions},
+        cached_tokens={s.request_id: s.num_cached_prompt_tokens for s in scheduled.admitted},
+        first_tokens={rid: t for rid, t in first_tokens.items() if t is not None})
+    for rid, event in events:
+        seqs[rid].events.append(event)
 
 
-def _preemption_events(preempted: list[Sequence], start: float, step: int) -> None:
-    for seq in preempted:
-        swapped = bool(seq.host_table)
-        seq.events.append(TimelineEvent("preempted", start, step=step,
-                                        detail="swap" if swapped else "recompute"))
-        if swapped:
-            seq.events.append(TimelineEvent("swapped_out", start, step=step,
-                                            blocks=len(seq.host_table)))
+def _add_preemption_events(preempted: list[Sequence], start: float, step: int) -> None:
+    """A step that only preempted (nothing left to compute): no record, the events alone."""
+    seqs = {s.request_id: s for s in preempted}
+    for rid, event in preemption_events(
+            [Preemption(s.request_id, bool(s.host_table)) for s in preempted], start, step,
+            {s.request_id: len(s.host_table) for s in preempted}):
+        seqs[rid].events.append(event)
 
 
 def _salt(tenant: str, rope_key: str) -> str:

@@ -19,7 +19,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from workers.core.timeline import PHASES, RequestTimeline, StepRecord, TimelineEvent
+from workers.core.timeline import (
+    PHASES,
+    RequestTimeline,
+    StepRecord,
+    TimelineEvent,
+    step_events,
+)
 
 STEP_TID = 0
 
@@ -131,24 +137,15 @@ def request_events(source: TraceSource) -> dict[str, list[TimelineEvent]]:
 
 
 def events_from_steps(steps: Sequence[StepRecord]) -> dict[str, list[TimelineEvent]]:
-    """Request id -> the timeline events the steps show (all but arrival and first token):
-    for requests still running, or engines that send only their steps."""
+    """Request id -> the timeline events the steps show (`timeline.step_events`; all but
+    arrival, first token and prefix hits): for requests still running, or engines that send
+    only their steps."""
     out: dict[str, list[TimelineEvent]] = {}
     preempted: set[str] = set()
     for step in steps:
-        start, end, i = step.start, step.end, step.index
-        for p in step.preempted:
-            preempted.add(p.request_id)
-            out.setdefault(p.request_id, []).append(TimelineEvent(
-                "preempted", start, step=i, detail="swap" if p.swapped else "recompute"))
-        for rid in step.admitted:
-            kind = "resumed" if rid in preempted else "admitted"
-            out.setdefault(rid, []).append(TimelineEvent(kind, start, step=i))
-        for c in step.chunks:
-            out.setdefault(c.request_id, []).append(TimelineEvent(
-                c.phase, start, end, i, c.start, c.num_tokens, step.batch_size))
-        for rid, reason in step.finished:
-            out.setdefault(rid, []).append(TimelineEvent("finished", end, step=i, detail=reason))
+        preempted.update(p.request_id for p in step.preempted)
+        for rid, event in step_events(step, resumed=preempted):
+            out.setdefault(rid, []).append(event)
     return out
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Container, Iterable, Mapping
 from dataclasses import dataclass, field, fields
 
 # a step's phases, in order (StepRecord's `<phase>_s` fields)
@@ -210,6 +211,59 @@ class RequestTimeline:
                     d[name] = value
             out.append(d)
         return {"request_id": self.request_id, "events": out}
+
+
+def preemption_events(preempted: Iterable[Preemption], start: float, step: int,
+                      swapped_out: Mapping[str, int]) -> list[tuple[str, TimelineEvent]]:
+    """(request id, event) for each preemption, and its swap-out (`swapped_out`: blocks copied
+    to the host per request) where its KV went to the host tier."""
+    out: list[tuple[str, TimelineEvent]] = []
+    for p in preempted:
+        out.append((p.request_id, TimelineEvent(
+            "preempted", start, step=step, detail="swap" if p.swapped else "recompute")))
+        if p.swapped:
+            out.append((p.request_id, TimelineEvent(
+                "swapped_out", start, step=step, blocks=swapped_out.get(p.request_id, 0))))
+    return out
+
+
+def step_events(record: StepRecord, resumed: Container[str] = (),
+                cached_tokens: Mapping[str, int] | None = None,
+                first_tokens: Mapping[str, float] | None = None,
+                ) -> list[tuple[str, TimelineEvent]]:
+    """(request id, event) for each thing one step did to a request, in the order it happened:
+    preempted (and swapped out) while scheduling, admitted or resumed (and swapped in), its
+    chunk computed, its first token, its finish.
+
+    The one translation of a step into request events: the engine builds each request's
+    timeline with it, and a trace of a replica's recent steps rebuilds the timelines of requests
+    still running with it. What the record cannot tell is passed in: which admitted requests
+    were preempted before (`resumed`), their prefix-hit tokens (`cached_tokens`), and first
+    token times (`first_tokens`, stamped inside the step)."""
+    start, end, i = record.start, record.end, record.index
+    blocks = dict(record.blocks)
+    out = preemption_events(record.preempted, start, i,
+                            {rid: a.swapped_out for rid, a in blocks.items()})
+    for rid in record.admitted:
+        if rid in resumed:
+            out.append((rid, TimelineEvent("resumed", start, step=i)))
+        else:
+            out.append((rid, TimelineEvent("admitted", start, step=i,
+                                           num_tokens=(cached_tokens or {}).get(rid, 0))))
+        activity = blocks.get(rid)
+        if activity is not None and activity.swapped_in:
+            out.append((rid, TimelineEvent("swapped_in", start, step=i,
+                                           blocks=activity.swapped_in)))
+    batch = record.batch_size
+    for c in record.chunks:
+        out.append((c.request_id, TimelineEvent(c.phase, start, end, i, c.start, c.num_tokens,
+                                                batch)))
+        first = (first_tokens or {}).get(c.request_id)
+        if c.samples and first is not None:
+            out.append((c.request_id, TimelineEvent("first_token", first, step=i)))
+    out += [(rid, TimelineEvent("finished", end, step=i, detail=reason))
+            for rid, reason in record.finished]
+    return out
 
 
 @dataclass
