@@ -176,8 +176,9 @@ def test_update_from_output_applies_the_step_and_runs_the_stop_checks() -> None:
     assert [c.seq.request_id for c in scheduled.chunks] == list(seqs)
     tokens = {"goes_on": 9, "length": 9, "stop_string_and_length": 9, "eos": 2,
               "eos_ignored": 2, "stop_id": 7}
-    reasons = sched.update_from_output(scheduled, list(seqs.values()), list(tokens.values()),
-                                       stop_string_hits={"stop_string_and_length"})
+    reasons = sched.update_from_output(
+        scheduled, list(seqs.values()), [[t] for t in tokens.values()],
+        stop_string=lambda seq, token: seq.request_id == "stop_string_and_length")
     assert dict(zip(seqs, reasons, strict=True)) == {
         "goes_on": None, "length": FinishReason.LENGTH,
         "stop_string_and_length": FinishReason.STOP, "eos": FinishReason.STOP,
@@ -198,7 +199,7 @@ def test_update_from_output_stops_at_the_context_limit() -> None:
     sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=6)
     seq = _seq("a", 5, max_tokens=100)
     sched.add(seq)
-    assert sched.update_from_output(sched.schedule(), [seq], [9]) == [FinishReason.LENGTH]
+    assert sched.update_from_output(sched.schedule(), [seq], [[9]]) == [FinishReason.LENGTH]
     assert seq.num_tokens == 6 and bm.num_free == 8
 
 
@@ -244,6 +245,11 @@ def check_block_ledger(engine: LLMEngine) -> None:
             f"{seq.num_computed_tokens} computed tokens"
         )
         assert 0 <= seq.num_computed_tokens <= seq.num_tokens
+        # ...and no more: between steps a table holds exactly its computed tokens' blocks (the
+        # slots of rejected speculative drafts, and a block only they used, were given back)
+        assert len(seq.block_table) == bm.blocks_for(seq.num_computed_tokens), (
+            f"{seq.request_id}: {len(seq.block_table)} blocks for {seq.num_computed_tokens} "
+            "computed tokens (a block held beyond them)")
     assert not set(owner) & set(free), f"owned blocks in the free list: {set(owner) & set(free)}"
     assert len(owner) + len(free) == bm.num_blocks, (
         f"leak: {len(owner)} owned + {len(free)} free != {bm.num_blocks}"
@@ -286,6 +292,9 @@ class RunStats:
     preempted_requests: int = 0
     aborted_live: int = 0
     finish_reasons: Counter = field(default_factory=Counter)
+    draft_tokens: int = 0  # with speculation: drafts verified, and of them accepted
+    accepted_tokens: int = 0
+    multi_token_outputs: int = 0  # outputs that carried more than one token
 
 
 @st.composite
@@ -385,7 +394,9 @@ class EngineMachine(RuleBasedStateMachine):
             assert out.request_id not in seen, f"two outputs for {out.request_id} in one step"
             seen.add(out.request_id)
             assert out.request_id in self.live, f"output for non-live {out.request_id}"
-            assert len(out.token_ids) == 1
+            k = self.engine.config.num_speculative_tokens if self.engine.proposer else 0
+            assert 1 <= len(out.token_ids) <= 1 + k
+            self.stats.multi_token_outputs += len(out.token_ids) > 1
             self._record(out)
         return outs
 
@@ -439,6 +450,8 @@ class EngineMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         self._drain()
         self.stats.preempted_requests += sum(s.num_preemptions > 0 for s in self.seqs.values())
+        self.stats.draft_tokens += self.engine.spec_stats.num_draft_tokens
+        self.stats.accepted_tokens += self.engine.spec_stats.num_accepted_tokens
         assert self.ended == set(self.seqs)
         for rid, outs in self.streamed.items():
             assert sum(o.finish_reason is not None for o in outs) == 1, rid
@@ -456,10 +469,10 @@ def make_engine() -> Callable[[int], LLMEngine]:
     """Factory of tiny-model engines over one shared checkpoint (an engine takes ~5 ms)."""
     ckpt = tiny_checkpoint("llama")
 
-    def make(num_blocks: int = NUM_BLOCKS) -> LLMEngine:
+    def make(num_blocks: int = NUM_BLOCKS, **settings: Any) -> LLMEngine:
         config = EngineConfig(
             device="cpu", block_size=BLOCK_SIZE, kv_cache_memory=pool_bytes(num_blocks),
-            max_num_seqs=6, max_num_batched_tokens=24,
+            max_num_seqs=6, max_num_batched_tokens=24, **settings,
         )
         engine = LLMEngine(config, checkpoint=ckpt)
         assert engine.block_manager.num_blocks == num_blocks
@@ -483,6 +496,29 @@ def test_block_accounting_under_random_traffic(make_engine: Callable[[int], LLME
     assert stats.requests > 0
     assert stats.preempted_requests > 0, f"the pool never ran out, preemption untested: {stats}"
     assert stats.aborted_live > 0, stats
+
+
+# n-gram drafts of 3 tokens on suffixes of 1-2: the tiny random model repeats itself often
+# enough that drafts are accepted, and far from always
+SPECULATION = {"speculative_method": "ngram", "num_speculative_tokens": 3,
+               "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+
+
+def test_block_accounting_under_random_traffic_with_speculation(
+        make_engine: Callable[[int], LLMEngine]) -> None:
+    """The same machine with speculative decoding: drafts are scheduled, verified, partly
+    rejected (their slots and blocks given back), preempted and aborted mid-speculation."""
+    stats = RunStats()
+    run_state_machine_as_test(
+        lambda: EngineMachine(make_engine(NUM_BLOCKS, **SPECULATION), stats),
+        settings=settings(
+            max_examples=40, stateful_step_count=25, deadline=None,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+        ),
+    )
+    assert stats.preempted_requests > 0 and stats.aborted_live > 0, stats
+    assert 0 < stats.accepted_tokens < stats.draft_tokens, f"no accept or no reject: {stats}"
+    assert stats.multi_token_outputs > 0, stats
 
 
 # -- preemption must not change what is generated -----------------------------------------------

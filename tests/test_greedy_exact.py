@@ -14,6 +14,8 @@ import torch
 
 from tests.helpers import assert_engine_idle, output_ids
 from tests.prompts import varied_prompts
+from workers.config import EngineConfig
+from workers.engine import LLMEngine
 
 NEW_TOKENS = 64
 NEAR_TIE = 1e-4  # a top-2 logprob gap below this, in transformers' logits, is a near-tie
@@ -72,19 +74,47 @@ def greedy(max_tokens: int = NEW_TOKENS) -> dict:
     return {"temperature": 0.0, "max_tokens": max_tokens}
 
 
-def test_greedy_matches_transformers_one_at_a_time(real_engine, prompts, reference):
+@pytest.fixture(scope="module")
+def speculative_engine(real_checkpoint) -> LLMEngine:
+    """The real engine with n-gram speculation: every step verifies up to 4 drafts per request
+    in the same forward pass as the other requests' decodes and prefill chunks."""
+    return LLMEngine(EngineConfig(kv_cache_memory=1024**3, device="cpu",
+                                  speculative_method="ngram", num_speculative_tokens=4,
+                                  prompt_lookup_min=1, prompt_lookup_max=3),
+                     checkpoint=real_checkpoint)
+
+
+# the plain engine, and the same with speculative decoding: the verify pass must compute the
+# numbers decode steps would, so the outputs are the same tokens, near-ties included
+ENGINES = ["real_engine", "speculative_engine"]
+
+
+def _speculated(engine: LLMEngine, before: int) -> None:
+    """The run really speculated: drafts were accepted (and the spec engine only)."""
+    if engine.proposer is not None:
+        assert engine.spec_stats.num_accepted_tokens > before, "no draft was ever accepted"
+
+
+@pytest.mark.parametrize("engine_name", ENGINES)
+def test_greedy_matches_transformers_one_at_a_time(engine_name, request, prompts, reference):
+    engine: LLMEngine = request.getfixturevalue(engine_name)
+    before = engine.spec_stats.num_accepted_tokens
     near_ties = []
     for name, ids in prompts.items():
-        outs = real_engine.generate_all([{"prompt_token_ids": ids, "params": greedy()}])
+        outs = engine.generate_all([{"prompt_token_ids": ids, "params": greedy()}])
         tie = check_against_reference(name, output_ids(next(iter(outs.values()))), reference[name])
         near_ties += [tie] if tie else []
-    assert_engine_idle(real_engine)
+    assert_engine_idle(engine)
     assert_near_ties_allowed(near_ties)
+    _speculated(engine, before)
 
 
-def test_greedy_matches_transformers_concurrent_staggered(real_engine, prompts, reference):
+@pytest.mark.parametrize("engine_name", ENGINES)
+def test_greedy_matches_transformers_concurrent_staggered(engine_name, request, prompts,
+                                                          reference):
     """Requests arrive in waves while earlier ones decode (and the long one prefills in chunks)."""
-    engine = real_engine
+    engine: LLMEngine = request.getfixturevalue(engine_name)
+    before = engine.spec_stats.num_accepted_tokens
     names = list(prompts)
     waves = [names[0:4], names[4:7], names[7:10], names[10:]]
     ids_by_request: dict[str, str] = {}
@@ -108,6 +138,7 @@ def test_greedy_matches_transformers_concurrent_staggered(real_engine, prompts, 
     ]
     assert_engine_idle(engine)
     assert_near_ties_allowed([t for t in ties if t])
+    _speculated(engine, before)
 
 
 def test_a_flipped_token_fails_even_at_a_near_tie(reference):

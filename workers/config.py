@@ -24,6 +24,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: float32 on CPU, bfl
 # auto: flash_attn on CUDA when a kernel provider is there, cpu (kvserve's kernels) on a CPU,
 # else torch. The attention package checks names against this tuple.
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "flash_attn")
+SPECULATIVE_METHODS = ("ngram",)
 GiB = 1024**3
 
 _SIZE = re.compile(r"^\s*([0-9.]+)\s*([KMGT]?)(i?B?)\s*$", re.IGNORECASE)
@@ -129,6 +130,19 @@ class EngineConfig:
     timeline_steps: int = setting(
         2048, "engine steps the step recorder keeps (a ring buffer read by `kvserve trace` and "
               "per-request timelines); 0 turns the recorder off, requests' timelines too", ge=0)
+    speculative_method: str | None = setting(
+        None, "speculative decoding; ngram: prompt lookup, drafts copied from where the "
+              "latest tokens occurred earlier in the prompt or output, all verified in one "
+              "forward pass (greedy output unchanged, sampled output the same distribution); "
+              "None: off", choices=SPECULATIVE_METHODS)
+    num_speculative_tokens: int = setting(
+        4, "speculation: draft tokens proposed per step for each decoding request", gt=0)
+    prompt_lookup_max: int = setting(4, "ngram speculation: the longest suffix matched", gt=0)
+    prompt_lookup_min: int = setting(
+        2, "ngram speculation: the shortest suffix matched (at most prompt_lookup_max)", gt=0)
+    speculative_disable_by_batch_size: int | None = setting(
+        None, "speculation: off for a step while more requests than this are running (it pays "
+              "where a step reads the weights for few tokens); None: never off", gt=0)
 
     def __post_init__(self) -> None:
         """Every value checked against its setting, so a bad one fails here, naming the field,
@@ -144,6 +158,9 @@ class EngineConfig:
             if spec.name == "max_waiting_requests" and value is None:
                 self.max_waiting_requests = value = self.max_num_seqs
             _check(spec, value)
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must be at most "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")
 
 
 class EngineSetting(NamedTuple):

@@ -36,10 +36,12 @@ from workers.core.detokenizer import IncrementalDetokenizer
 from workers.core.host_block_pool import HostBlockPool
 from workers.core.inputs import to_token_ids
 from workers.core.kv_events import KVEvents
+from workers.core.ngram_proposer import NgramProposer
 from workers.core.outputs import (
     KVCacheStats,
     RequestOutput,
     SchedulerStats,
+    SpecDecodeStats,
     TokenLogprobs,
     Usage,
 )
@@ -71,8 +73,8 @@ from workers.model_executor.loader import (
 )
 from workers.model_executor.model import CausalLM, onednn_available
 from workers.model_executor.model_runner import ForwardView, ModelRunner
+from workers.model_executor.rejection_sampler import Verified, sample_and_verify
 from workers.model_executor.rope import RotaryEmbedding
-from workers.model_executor.sampler import sample
 
 
 @dataclass(frozen=True)
@@ -181,6 +183,9 @@ class LLMEngine:
             num_host_blocks=num_host_blocks,
         )
         self.requests: dict[str, _Request] = {}
+        self.proposer = (NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+                         if config.speculative_method == "ngram" else None)
+        self.spec_stats = SpecDecodeStats()
 
     @property
     def info(self) -> ModelInfo:
@@ -354,6 +359,7 @@ class LLMEngine:
         clock = _PhaseClock(self.device, any(sync for _, sync in self._step_observers))
         budget = self.prefill_rate.token_budget(self.scheduler.num_decoding(),
                                                 self.config.itl_target_ms)
+        self._propose_drafts()
         scheduled = self.scheduler.schedule(budget)
         recording = self.history.enabled or bool(self._step_observers)
         # the batch as scheduled (the update below moves every chunk's start)
@@ -375,15 +381,18 @@ class LLMEngine:
             inspect(self.runner.view(inp, logits))
             clock.lap()
         seqs = [c.seq for c in inp.sampling]
-        tokens, logprobs = sample(logits, seqs)
+        verified = sample_and_verify(logits, inp.sampling)
         sample_s = clock.lap()
         self.prefill_rate.observe(scheduled.num_tokens, time.perf_counter() - start, budget)
-        # only once nothing above can fail: text first (stop strings), then the scheduler
-        texts = [self.requests[s.request_id].detok.push(t) for s, t in zip(seqs, tokens,
-                                                                             strict=True)]
-        hits = {s.request_id for s, text in zip(seqs, texts, strict=True) if text is None}
-        reasons = self.scheduler.update_from_output(scheduled, seqs, tokens, hits)
+        # only once nothing above can fail: the scheduler applies the step, token by token,
+        # with the text of each (stop strings) from the request's detokenizer
+        texts = _Texts(self.requests)
+        reasons = self.scheduler.update_from_output(
+            scheduled, seqs, [v.token_ids for v in verified], texts.push)
         finished = [(s, r) for s, r in zip(seqs, reasons, strict=True) if r is not None]
+        for v in verified:
+            if v.num_drafts:
+                self.spec_stats.observe(v.num_drafts, v.num_accepted)
         phases = (schedule_s, copy_s, prepare_s, forward_s, sample_s, clock.lap())
         for i, seconds in enumerate(phases):
             self._phase_seconds[i] += seconds
@@ -391,14 +400,31 @@ class LLMEngine:
             record = self._record_step(clock, scheduled, chunks, finished, phases)
             self.history.append(record)
             self.history.seconds += time.perf_counter() - clock.last
-        outputs = [self._output(s, t, lp, text, reason)
-                   for s, t, lp, text, reason in zip(seqs, tokens, logprobs, texts, reasons,
-                                                     strict=True)]
+        outputs = [self._output(s, v, texts, reason)
+                   for s, v, reason in zip(seqs, verified, reasons, strict=True)]
         if recording:
             for observer, _ in list(self._step_observers):
                 observer(record)
         self.num_steps += 1
         return outputs
+
+    def _propose_drafts(self) -> None:
+        """Speculative decoding: give each decoding request its drafts for this step (up to
+        num_speculative_tokens, never past its max_tokens or the context), unless it opted out
+        or more requests than speculative_disable_by_batch_size are running."""
+        if self.proposer is None:
+            return
+        running = self.scheduler.running
+        limit = self.config.speculative_disable_by_batch_size
+        on = limit is None or len(running) <= limit
+        k = self.config.num_speculative_tokens
+        for seq in running:
+            room = min(seq.params.max_tokens - len(seq.output_token_ids),
+                       self.max_model_len - seq.num_tokens) - 1  # the target's own token: 1
+            decoding = seq.num_tokens - seq.num_computed_tokens == 1
+            seq.spec_token_ids = (self.proposer.propose(seq.token_ids, min(k, room))
+                                  if on and decoding and room > 0 and seq.params.speculate
+                                  else [])
 
     def observe_steps(self, observer: Callable[[StepRecord], None],
                       synchronize: bool = False) -> Callable[[], None]:
@@ -478,18 +504,21 @@ class LLMEngine:
             self.block_manager.copies_done(plan)
             self.swap_seconds += time.perf_counter() - start
 
-    def _output(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None,
-                text: str | None, reason: FinishReason | None) -> RequestOutput:
-        """A sampled token's output; the scheduler already decided whether `seq` stopped."""
+    def _output(self, seq: Sequence, verified: Verified, texts: _Texts,
+                reason: FinishReason | None) -> RequestOutput:
+        """The step's output of `seq`: the tokens the scheduler kept (all new ones, or up to a
+        stop); the scheduler already decided whether `seq` stopped."""
         req = self.requests[seq.request_id]
-        lps = [logprobs] if logprobs else []
+        n = texts.taken.get(seq.request_id, 0)
+        tokens, lps = verified.token_ids[:n], verified.logprobs[:n]
+        text = texts.text.get(seq.request_id, "")
         if reason is None:
-            return RequestOutput(seq.request_id, [token], text or "", lps)
-        if text is None:  # a stop string matched; it is not part of the output
-            text = req.detok.stop_text
+            return RequestOutput(seq.request_id, tokens, text, lps)
+        if seq.request_id in texts.hit:  # a stop string matched; it is not part of the output
+            text += req.detok.stop_text
         else:
             text += req.detok.flush()
-        return self._final_output(req, reason, text, lps, [token])
+        return self._final_output(req, reason, text, lps, tokens)
 
     def _finish(
         self, req: _Request, reason: FinishReason, text: str, logprobs: list[TokenLogprobs],
@@ -514,7 +543,7 @@ class LLMEngine:
         if seq.first_token_time is not None:
             ttft = (seq.first_token_time - seq.arrival_time) * 1000
         usage = Usage(seq.num_prompt_tokens, len(seq.output_token_ids), ttft,
-                      seq.num_cached_prompt_tokens)
+                      seq.num_cached_prompt_tokens, seq.num_draft_tokens, seq.num_accepted_tokens)
         timeline = None
         if self.history.enabled:
             timeline = RequestTimeline(seq.request_id, tuple(seq.events),
@@ -543,6 +572,27 @@ def _as_params(params: SamplingParams | dict[str, Any] | None) -> SamplingParams
     return params
 
 
+class _Texts:
+    """The text of one step's new tokens, request by request, from each request's detokenizer
+    (the scheduler pushes the tokens it keeps, in order, and stops a request on a hit)."""
+
+    def __init__(self, requests: dict[str, _Request]) -> None:
+        self.requests = requests
+        self.text: dict[str, str] = {}
+        self.taken: dict[str, int] = {}  # tokens pushed (the ones the output carries)
+        self.hit: set[str] = set()  # requests whose text reached a stop string
+
+    def push(self, seq: Sequence, token: int) -> bool:
+        rid = seq.request_id
+        self.taken[rid] = self.taken.get(rid, 0) + 1
+        piece = self.requests[rid].detok.push(token)
+        if piece is None:
+            self.hit.add(rid)
+            return True
+        self.text[rid] = self.text.get(rid, "") + piece
+        return False
+
+
 class _PhaseClock:
     """Laps of one step's phases; with `synchronize`, each lap first waits for the device."""
 
@@ -560,7 +610,8 @@ class _PhaseClock:
 
 
 def _chunk_records(scheduled: SchedulerOutput) -> tuple[ChunkRecord, ...]:
-    return tuple(ChunkRecord(c.seq.request_id, c.start, c.num_tokens, c.samples)
+    return tuple(ChunkRecord(c.seq.request_id, c.start, c.num_tokens, c.samples,
+                             len(c.drafts))
                  for c in scheduled.chunks)
 
 
@@ -655,7 +706,7 @@ def _build_model(
     model.load_checkpoint(dict(ckpt.tensors))
     if cpu_kernels is not None:
         model.use_cpu_kernels(cpu_kernels)
-    if device.type == "cpu" and onednn_available():
+    if device.type == "cpu" and onednn_available(dtype):
         model.use_onednn_matmuls()
     return model.eval()
 

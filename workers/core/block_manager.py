@@ -232,6 +232,17 @@ class BlockManager:
             self._note(seq, before, allocated=len(seq.block_table) - start)
         return KVCacheBlocks(tuple(seq.block_table[start:]))
 
+    def trim(self, seq: Request, num_tokens: int) -> None:
+        """Shrink `seq`'s table to the blocks `num_tokens` tokens fill: the slots of rejected
+        speculative drafts are given up, and a block that only they used goes back to the
+        pool (it was never full of accepted tokens, so it holds no prefix-cache entry)."""
+        keep = self.blocks_for(num_tokens)
+        if len(seq.block_table) > keep:
+            tail = seq.block_table[keep:]
+            del seq.block_table[keep:]
+            self._note(seq, None, freed=len(tail))
+            self.deallocate(tail)
+
     def admit(self, seq: Request) -> None:
         """`seq` got its blocks and leaves the waiting queue. Its prefix-cache query is counted
         once per request (a resume after preemption is not a new query), and a swapped-out

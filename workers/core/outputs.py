@@ -20,6 +20,10 @@ class Usage:
     completion_tokens: int
     time_to_first_token_ms: float | None
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # speculative decoding: draft tokens verified, and of them accepted (completion tokens
+    # that cost no step of their own)
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
 
 
 @dataclass
@@ -78,3 +82,36 @@ class SchedulerStats:
     # tokens the queued work still has to compute before its next token, a decode's one not
     # counted (it is that decode's share of every step): what delays a new request's first token
     prompt_tokens_left: int
+
+
+@dataclass
+class SpecDecodeStats:
+    """Speculative decoding since the engine started, as vLLM counts it: a draft is one
+    request's drafts in one step; its tokens are accepted from the first on, up to the first
+    the target model disagrees with."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)  # [i]: drafts accepted there
+
+    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        grow = num_accepted - len(self.accepted_per_position)
+        if grow > 0:
+            self.accepted_per_position += [0] * grow
+        for i in range(num_accepted):
+            self.accepted_per_position[i] += 1
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted / proposed draft tokens; None before any draft."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """Tokens a verified step emits per request on average: its accepted drafts and the
+        target's own next token (vLLM's mean acceptance length); None before any draft."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None

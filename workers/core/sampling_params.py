@@ -34,6 +34,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n logprobs per generated token (0: only the sampled one)
+    speculate: bool = True  # False: no speculative decoding for this request, if the engine has it
 
     @property
     def greedy(self) -> bool:
@@ -73,8 +74,9 @@ class SamplingParams:
                 raise InvalidRequestError("stop", "stop strings must be non-empty strings")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids", t, low=0, high=vocab_size - 1)
-        if not isinstance(self.ignore_eos, bool):
-            raise InvalidRequestError("ignore_eos", "must be a boolean")
+        for name in ("ignore_eos", "speculate"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidRequestError(name, "must be a boolean")
 
 
 def _as_tuple(name: str, value: Any) -> tuple:

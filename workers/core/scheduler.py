@@ -16,7 +16,7 @@ per-request methods and never touches a block table, a prefix hash or a hit coun
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from collections.abc import Sequence as Seqs
 from dataclasses import dataclass, field
 
@@ -28,7 +28,10 @@ from workers.core.sequence import FinishReason, Sequence, SequenceStatus
 @dataclass
 class ScheduledChunk:
     seq: Sequence
-    num_tokens: int  # tokens computed this step, from seq.num_computed_tokens on
+    num_tokens: int  # tokens computed this step, from seq.num_computed_tokens on, drafts too
+    # speculative decoding: draft tokens after the sequence's last one, computed with it and
+    # verified by the logits of every one of its rows
+    drafts: list[int] = field(default_factory=list)
 
     @property
     def start(self) -> int:
@@ -36,8 +39,9 @@ class ScheduledChunk:
 
     @property
     def samples(self) -> bool:
-        """The chunk reaches the sequence's last token, so its logits give the next token."""
-        return self.start + self.num_tokens == self.seq.num_tokens
+        """The chunk reaches the sequence's last token (and its drafts), so its logits give
+        the next token(s)."""
+        return self.start + self.num_tokens == self.seq.num_tokens + len(self.drafts)
 
 
 @dataclass
@@ -108,14 +112,19 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            left = seq.num_tokens - seq.num_computed_tokens
+            n = min(left + len(seq.spec_token_ids), budget)  # drafts count in the budget
+            drafts = seq.spec_token_ids[:n - left] if n > left else []
             while self.kv.allocate_slots(seq, seq.num_computed_tokens + n) is None:
+                if drafts:  # drafts are a bet: never worth preempting anyone for
+                    n, drafts = n - len(drafts), []
+                    continue
                 victim = self.running.pop()  # the most recently admitted
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:
                     return budget
-            out.chunks.append(ScheduledChunk(seq, n))
+            out.chunks.append(ScheduledChunk(seq, n, drafts))
             budget -= n
             i += 1
         return budget
@@ -138,6 +147,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.num_preemptions += 1
+        seq.spec_token_ids = []
         if self.kv.preempt(seq):
             seq.mark_swapped()
         else:
@@ -145,29 +155,51 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def update_from_output(
-        self, scheduled: SchedulerOutput, sampled: Seqs[Sequence], tokens: Seqs[int],
-        stop_string_hits: Collection[str] = (),
+        self, scheduled: SchedulerOutput, sampled: Seqs[Sequence], tokens: Seqs[Seqs[int]],
+        stop_string: Callable[[Sequence, int], bool] | None = None,
     ) -> list[FinishReason | None]:
         """Apply a step the model ran: every scheduled chunk's tokens count as computed, the
-        blocks they filled are cached, each sampled sequence gets its token, and those that
-        stop are finished (their blocks freed at once, in order). Returns each sampled
+        blocks they filled are cached, each sampled sequence gets its new tokens, and those
+        that stop are finished (their blocks freed at once, in order). Returns each sampled
         sequence's finish reason, None while it goes on.
 
+        A sampled sequence's new tokens are one, or with speculative decoding its accepted
+        drafts and the token after them. Drafts that were rejected are not computed: their KV
+        slots are given up, and so is a block only they used; only accepted tokens reach the
+        prefix cache. The stop checks run token by token, so a stop inside an accepted run cuts
+        it there.
+
         Stop strings are matched on text, by the engine's detokenizer (it needs the tokenizer,
-        which the engine owns); the engine passes the request ids whose new text hit one in
-        `stop_string_hits`, and they stop here like any other stop, before the other checks,
-        so a stop string wins over EOS or a length limit in the same token."""
+        which the engine owns): `stop_string(seq, token)` takes each new token in order and
+        says whether the text now hits one. It is checked before the other stops, so a stop
+        string wins over EOS or a length limit in the same token."""
+        new_tokens = {id(seq): list(t) for seq, t in zip(sampled, tokens, strict=True)}
         for chunk in scheduled.chunks:
-            chunk.seq.num_computed_tokens += chunk.num_tokens
-        for chunk in scheduled.chunks:
-            self.kv.cache_full_blocks(chunk.seq)
+            new = new_tokens.get(id(chunk.seq))
+            rejected = len(chunk.drafts) - (len(new) - 1) if chunk.drafts and new else 0
+            chunk.seq.num_computed_tokens += chunk.num_tokens - rejected
+            if chunk.drafts:
+                chunk.seq.num_draft_tokens += len(chunk.drafts)
+                chunk.seq.num_accepted_tokens += len(chunk.drafts) - rejected
+            chunk.seq.spec_token_ids = []
         reasons: list[FinishReason | None] = []
-        for seq, token in zip(sampled, tokens, strict=True):
-            seq.append_token(token)
-            reason = self._check_stop(seq, token, seq.request_id in stop_string_hits)
+        for seq in sampled:
+            reason = None
+            for token in new_tokens[id(seq)]:
+                seq.append_token(token)
+                hit = stop_string is not None and stop_string(seq, token)
+                if (reason := self._check_stop(seq, token, hit)) is not None:
+                    break
+            # the KV of every token but the newest is in the cache, however many were drafts
+            seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
+            reasons.append(reason)
+        for chunk in scheduled.chunks:
+            if chunk.drafts:  # a block that only rejected drafts used goes back to the pool
+                self.kv.trim(chunk.seq, chunk.seq.num_computed_tokens)
+            self.kv.cache_full_blocks(chunk.seq)
+        for seq, reason in zip(sampled, reasons, strict=True):
             if reason is not None:
                 self.finish(seq, reason)
-            reasons.append(reason)
         return reasons
 
     def _check_stop(self, seq: Sequence, token: int, stop_string: bool) -> FinishReason | None:

@@ -47,6 +47,10 @@ class Sequence:
     num_cached_prompt_tokens: int = 0  # prompt tokens a prefix-cache hit spared, at admission
     host_table: list[int] = field(default_factory=list)  # swapped out: its KV in host blocks
     events: list[TimelineEvent] = field(default_factory=list)  # its timeline, when recorded
+    # speculative decoding: the draft tokens proposed to follow token_ids, verified next step
+    spec_token_ids: list[int] = field(default_factory=list)
+    num_draft_tokens: int = 0  # drafts verified so far
+    num_accepted_tokens: int = 0  # of which the target model accepted
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -44,12 +44,13 @@ class ChunkRecord:
     start: int  # first token position computed
     num_tokens: int
     samples: bool  # the chunk reached the request's last token, so it sampled one
+    drafts: int = 0  # speculative draft tokens among them, verified by this step
 
     @property
     def is_decode(self) -> bool:
-        """One token with context before it: a decode (otherwise a prefill chunk, or the
-        recompute of a preempted request)."""
-        return self.num_tokens == 1 and self.start > 0
+        """One token with context before it, and any drafts after it: a decode (otherwise a
+        prefill chunk, or the recompute of a preempted request)."""
+        return self.num_tokens == 1 + self.drafts and self.start > 0
 
     @property
     def phase(self) -> str:

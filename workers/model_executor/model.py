@@ -7,6 +7,7 @@ transformers' Llama code in the same order and dtype so greedy output matches `g
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -24,8 +25,18 @@ from workers.model_executor.cpu_kernels import (
 from workers.model_executor.rope import rotate
 
 
-def onednn_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+@functools.cache
+def onednn_available(dtype: torch.dtype = torch.float32) -> bool:
+    """oneDNN's prepacked matmuls run `dtype` on this CPU. Probed, not assumed: its fp16 path
+    needs AVX512-FP16 or AVX-NE-CONVERT (Intel Sapphire Rapids has them, AMD Zen 4 does not)."""
+    if not (torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype), PACK_ROWS)
+    except RuntimeError:
+        return False
+    return True
 
 
 def padded_rows(rows: int) -> int:

@@ -22,7 +22,9 @@ class ModelInput:
     positions: torch.Tensor  # [tokens] long
     rope_spans: list[RopeSpan]  # each chunk's start, size and prompt length (host ints)
     meta: AttentionMetadata
-    logits_rows: torch.Tensor  # [sampling chunks] long: last row of each chunk that samples
+    # [logit rows] long: the last row of each chunk that samples; every row of a chunk with
+    # speculative drafts (one per draft, and one more)
+    logits_rows: torch.Tensor
     sampling: list[ScheduledChunk]  # in the order of logits_rows
     chunks: list[ScheduledChunk]  # in row order: decodes first, then prefill chunks
 
@@ -78,10 +80,16 @@ class ModelRunner:
         return self.model.compute_logits(hidden[inp.logits_rows])
 
     def prepare(self, chunks: list[ScheduledChunk]) -> ModelInput:
-        """The step's tensors, all from one host->device copy (`attention.metadata.build`)."""
-        # decodes (one token with context) first, batched; then prefill chunks one by one
-        decodes = [c for c in chunks if c.num_tokens == 1 and c.start > 0]
-        prefills = [c for c in chunks if not (c.num_tokens == 1 and c.start > 0)]
+        """The step's tensors, all from one host->device copy (`attention.metadata.build`).
+
+        Decodes (one token with context) come first, batched; then prefill chunks one by one.
+        A decode with k speculative drafts is k + 1 decode rows, the j-th attending to the
+        context up to its own position: every layer writes the K/V of all rows before any row
+        attends, so row j sees drafts 0..j-1 in the cache, and each row is computed exactly as
+        the decode step that would have produced it (the same kernels, the same context, and
+        matmuls whose rows do not depend on the batch). So verification changes no number."""
+        decodes = [c for c in chunks if c.start > 0 and c.num_tokens == 1 + len(c.drafts)]
+        prefills = [c for c in chunks if not (c.start > 0 and c.num_tokens == 1 + len(c.drafts))]
         ordered = decodes + prefills
         ids: list[int] = []
         positions: list[int] = []
@@ -90,15 +98,16 @@ class ModelRunner:
         sampling: list[ScheduledChunk] = []
         for chunk in ordered:
             start, end = chunk.start, chunk.start + chunk.num_tokens
-            ids += chunk.seq.token_ids[start:end]
+            ids += chunk.seq.token_ids[start:end - len(chunk.drafts)] + chunk.drafts
             positions += range(start, end)
             slots += self._slots(chunk.seq.block_table, start, end)
             if chunk.samples:
-                rows.append(len(ids) - 1)
+                rows += range(len(ids) - 1 - len(chunk.drafts), len(ids))
                 sampling.append(chunk)
         meta, (input_ids, pos, logits_rows) = attention_metadata.build(
             self.device, slots,
-            decodes=[(c.seq.block_table, c.start + 1) for c in decodes],
+            decodes=[(c.seq.block_table, c.start + 1 + j) for c in decodes
+                     for j in range(c.num_tokens)],
             prefills=[(c.seq.block_table, c.num_tokens, c.start + c.num_tokens) for c in prefills],
             block_size=self.block_size, extra=[ids, positions, rows],
         )
@@ -115,7 +124,12 @@ class ModelRunner:
         tables: list[tuple[int, ...]] = []
         lens: list[int] = []
         d_lens = meta.decode_context_lens.tolist()
-        for i, n in enumerate(d_lens):
+        last_rows, row = [], -1  # a decode's last row (with drafts it has one per token)
+        for c in inp.chunks[:len(inp.chunks) - len(meta.prefills)]:
+            row += c.num_tokens
+            last_rows.append(row)
+        for i in last_rows:
+            n = d_lens[i]
             tables.append(tuple(meta.decode_block_tables[i].tolist()[:-(-n // self.block_size)]))
             lens.append(n)
         for seg in meta.prefills:
