@@ -24,7 +24,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: float32 on CPU, bfl
 # auto: flash_attn on CUDA when a kernel provider is there, cpu (kvserve's kernels) on a CPU,
 # else torch. The attention package checks names against this tuple.
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "flash_attn")
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 GiB = 1024**3
 
 _SIZE = re.compile(r"^\s*([0-9.]+)\s*([KMGT]?)(i?B?)\s*$", re.IGNORECASE)
@@ -134,7 +134,11 @@ class EngineConfig:
         None, "speculative decoding; ngram: prompt lookup, drafts copied from where the "
               "latest tokens occurred earlier in the prompt or output, all verified in one "
               "forward pass (greedy output unchanged, sampled output the same distribution); "
-              "None: off", choices=SPECULATIVE_METHODS)
+              "draft_model: a small model with the same tokenizer proposes its greedy tokens "
+              "(draft_model); None: off", choices=SPECULATIVE_METHODS)
+    draft_model: str | None = setting(
+        None, "speculative_method draft_model: the draft's HF dir, .gguf file or hub id (its "
+              "vocabulary must be the target's); None: the target model itself")
     num_speculative_tokens: int = setting(
         4, "speculation: draft tokens proposed per step for each decoding request", gt=0)
     prompt_lookup_max: int = setting(4, "ngram speculation: the longest suffix matched", gt=0)

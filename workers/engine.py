@@ -26,7 +26,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -64,6 +64,7 @@ from workers.core.timeline import (
 from workers.errors import InvalidRequestError
 from workers.model_executor.attention import PagedAttention, make_backend, resolve_backend_name
 from workers.model_executor.cpu_kernels import CpuKernels, load_cpu_kernels
+from workers.model_executor.draft_proposer import DraftModelProposer
 from workers.model_executor.kv_cache import KVCacheSpec
 from workers.model_executor.loader import (
     DEFAULT_MODEL,
@@ -102,6 +103,18 @@ class EngineLoad(NamedTuple):
     kv_cache_usage: float  # 0-1
 
 
+class Proposer(Protocol):
+    """Where speculative drafts come from (`NgramProposer`, `DraftModelProposer`)."""
+
+    def propose(self, requests: list[tuple[Sequence, int]]) -> list[list[int]]:
+        """Up to k draft tokens to follow each (decoding sequence, k)."""
+        ...
+
+    def forget(self, request_id: str) -> None:
+        """The request ended: drop whatever is kept for it."""
+        ...
+
+
 @dataclass
 class _Request:
     seq: Sequence
@@ -110,9 +123,11 @@ class _Request:
 
 class LLMEngine:
     def __init__(
-        self, config: EngineConfig | None = None, checkpoint: LoadedCheckpoint | None = None
+        self, config: EngineConfig | None = None, checkpoint: LoadedCheckpoint | None = None,
+        draft_checkpoint: LoadedCheckpoint | None = None,
     ) -> None:
-        """`checkpoint` (e.g. `tiny.tiny_checkpoint()`) replaces loading `config.model`."""
+        """`checkpoint` (e.g. `tiny.tiny_checkpoint()`) replaces loading `config.model`, and
+        `draft_checkpoint` loading `config.draft_model` (speculative_method draft_model)."""
         self.config = config = config or EngineConfig()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -183,9 +198,33 @@ class LLMEngine:
             num_host_blocks=num_host_blocks,
         )
         self.requests: dict[str, _Request] = {}
-        self.proposer = (NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-                         if config.speculative_method == "ngram" else None)
+        self.proposer = self._make_proposer(ckpt, draft_checkpoint, cpu_kernels, block_size,
+                                            num_blocks)
         self.spec_stats = SpecDecodeStats()
+
+    def _make_proposer(self, target: LoadedCheckpoint, draft: LoadedCheckpoint | None,
+                       cpu_kernels: CpuKernels | None, block_size: int,
+                       num_blocks: int) -> Proposer | None:
+        """The speculative_method's proposer. A draft model gets its own runner and KV pool
+        (as many blocks as the target's), on the target's device and attention backend; the
+        target as its own draft shares its weights."""
+        config = self.config
+        if config.speculative_method == "ngram":
+            return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        if config.speculative_method != "draft_model":
+            return None
+        if draft is None and config.draft_model is not None:
+            draft = load_checkpoint(config.draft_model)
+        if draft is not None and draft.config.vocab_size != self.vocab_size:
+            raise ValueError(f"draft_model: its vocabulary has {draft.config.vocab_size} tokens, "
+                             f"the target's {self.vocab_size}; they must share a tokenizer")
+        draft = draft or target
+        model = (self.model if draft is target
+                 else _build_model(draft, self.device, self.dtype, cpu_kernels))
+        spec = _kv_spec(draft.config, block_size, self.dtype)
+        rope = RotaryEmbedding(draft.config, self.max_model_len, self.device, self.dtype)
+        runner = ModelRunner(model, spec, num_blocks, rope, self.runner.backend, self.device)
+        return DraftModelProposer(runner, BlockManager(num_blocks, block_size))
 
     @property
     def info(self) -> ModelInfo:
@@ -418,13 +457,17 @@ class LLMEngine:
         limit = self.config.speculative_disable_by_batch_size
         on = limit is None or len(running) <= limit
         k = self.config.num_speculative_tokens
+        wanted: list[tuple[Sequence, int]] = []
         for seq in running:
+            seq.spec_token_ids = []
             room = min(seq.params.max_tokens - len(seq.output_token_ids),
                        self.max_model_len - seq.num_tokens) - 1  # the target's own token: 1
-            decoding = seq.num_tokens - seq.num_computed_tokens == 1
-            seq.spec_token_ids = (self.proposer.propose(seq.token_ids, min(k, room))
-                                  if on and decoding and room > 0 and seq.params.speculate
-                                  else [])
+            if on and room > 0 and seq.params.speculate and (
+                    seq.num_tokens - seq.num_computed_tokens == 1):  # decoding
+                wanted.append((seq, min(k, room)))
+        if wanted:
+            for (seq, _), drafts in zip(wanted, self.proposer.propose(wanted), strict=True):
+                seq.spec_token_ids = drafts
 
     def observe_steps(self, observer: Callable[[StepRecord], None],
                       synchronize: bool = False) -> Callable[[], None]:
@@ -539,6 +582,8 @@ class LLMEngine:
     ) -> RequestOutput:
         seq = req.seq
         del self.requests[seq.request_id]
+        if self.proposer is not None:
+            self.proposer.forget(seq.request_id)
         ttft = None
         if seq.first_token_time is not None:
             ttft = (seq.first_token_time - seq.arrival_time) * 1000

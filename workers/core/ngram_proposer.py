@@ -15,8 +15,12 @@ token ids out.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from workers.core.sequence import Sequence as Request
 
 
 class NgramProposer:
@@ -26,7 +30,15 @@ class NgramProposer:
                              f"({max_n})]")
         self.min_n, self.max_n = min_n, max_n
 
-    def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
+    def propose(self, requests: list[tuple[Request, int]]) -> list[list[int]]:
+        """Up to k drafts for each (sequence, k): the proposer interface the engine calls
+        (with `forget` when a request ends; prompt lookup keeps no state)."""
+        return [self.lookup(seq.token_ids, k) for seq, k in requests]
+
+    def forget(self, request_id: str) -> None:
+        pass
+
+    def lookup(self, token_ids: Sequence[int], k: int) -> list[int]:
         """Up to `k` draft tokens to follow `token_ids` (prompt + output); [] when no n-gram of
         the allowed sizes recurs."""
         if k <= 0 or len(token_ids) <= self.min_n:
