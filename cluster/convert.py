@@ -13,7 +13,7 @@ from workers.core.outputs import RequestOutput
 from workers.errors import EngineShutdownError, InvalidRequestError, QueueFullError
 
 _OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-             "presence_penalty", "frequency_penalty", "seed", "logprobs")
+             "presence_penalty", "frequency_penalty", "seed", "logprobs", "speculate")
 _FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
            "abort": pb.FINISH_REASON_ABORT}
 
@@ -68,7 +68,8 @@ def response(out: RequestOutput, with_timeline: bool = False) -> pb.GenerateResp
         msg.usage.CopyFrom(pb.Usage(
             prompt_tokens=out.usage.prompt_tokens, completion_tokens=out.usage.completion_tokens,
             time_to_first_token_ms=out.usage.time_to_first_token_ms or 0.0,
-            cached_tokens=out.usage.cached_tokens))
+            cached_tokens=out.usage.cached_tokens, draft_tokens=out.usage.draft_tokens,
+            accepted_draft_tokens=out.usage.accepted_draft_tokens))
     if with_timeline and out.timeline is not None:
         msg.timeline.CopyFrom(timeline(out.timeline.as_dict()["events"]))
     return msg

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 
 from ray.serve.metrics import Counter, Gauge, Histogram
 
-from workers.core.outputs import KVCacheStats, RequestOutput
+from workers.core.outputs import KVCacheStats, RequestOutput, SpecDecodeStats
 from workers.core.timeline import StepTotals
 from workers.engine import LLMEngine
 
@@ -24,6 +24,11 @@ METRIC_NAMES = (
     "kvserve_generation_tokens_total", "kvserve_request_success_total",
     # the step-time breakdown (#19): seconds per step phase, and steps run
     "kvserve_step_phase_seconds_total", "kvserve_engine_steps_total",
+    # speculative decoding (#20), vLLM's spec_decode counters: acceptance rate is accepted /
+    # draft tokens, mean accepted length 1 + accepted / drafts
+    "kvserve_spec_decode_num_drafts_total", "kvserve_spec_decode_num_draft_tokens_total",
+    "kvserve_spec_decode_num_accepted_tokens_total",
+    "kvserve_spec_decode_num_accepted_tokens_per_pos_total",
 )
 # the KV cache's own (issue #4): tokens for prefix caching, blocks and bytes for the host tier
 KV_CACHE_METRIC_NAMES = (
@@ -77,12 +82,24 @@ class ServiceMetrics:
             METRIC_NAMES[9], "Seconds the engine's steps spent in each phase (schedule, copy, "
             "prepare, forward, sample, detokenize).", ("model", "phase"))
         self.steps = Counter(METRIC_NAMES[10], "Engine steps that computed something.", tags)
+        self.spec_drafts = Counter(METRIC_NAMES[11], "Speculative drafts verified (one per "
+                                   "request per step that had drafts).", tags)
+        self.spec_draft_tokens = Counter(METRIC_NAMES[12], "Speculative draft tokens verified.",
+                                         tags)
+        self.spec_accepted_tokens = Counter(METRIC_NAMES[13], "Speculative draft tokens the "
+                                            "model accepted.", tags)
+        self.spec_accepted_per_pos = Counter(
+            METRIC_NAMES[14], "Draft tokens accepted at each position of a draft (0: first).",
+            ("model", "position"))
+        self._last_spec = SpecDecodeStats()
         self.kv_metrics = _kv_cache_metrics(tags)
         self._last_kv = KVCacheStats(*[0] * len(dataclasses.fields(KVCacheStats)))
         self._last_steps = StepTotals(0, {})
         for metric in (self.ttft, self.itl, self.e2e, self.running, self.waiting, self.kv_usage,
                        self.prompt_tokens, self.generation_tokens, self.success,
-                       self.step_phase_seconds, self.steps, *self.kv_metrics):
+                       self.step_phase_seconds, self.steps, self.spec_drafts,
+                       self.spec_draft_tokens, self.spec_accepted_tokens,
+                       self.spec_accepted_per_pos, *self.kv_metrics):
             metric.set_default_tags({"model": model})
 
     def update_gauges(self, engine: LLMEngine) -> None:
@@ -111,6 +128,24 @@ class ServiceMetrics:
                 self.step_phase_seconds.inc(increase, tags={"phase": phase})
         self._last_steps = totals
 
+    def update_spec_decode(self, stats: SpecDecodeStats) -> None:
+        """The speculative-decoding counters grow by what the engine's grew since the last
+        call (nothing moves when speculation is off)."""
+        last = self._last_spec
+        for metric, now, before in (
+                (self.spec_drafts, stats.num_drafts, last.num_drafts),
+                (self.spec_draft_tokens, stats.num_draft_tokens, last.num_draft_tokens),
+                (self.spec_accepted_tokens, stats.num_accepted_tokens, last.num_accepted_tokens)):
+            if now > before:
+                metric.inc(now - before)
+        per_pos = list(stats.accepted_per_position)
+        for i, n in enumerate(per_pos):
+            before = last.accepted_per_position[i] if i < len(last.accepted_per_position) else 0
+            if n > before:
+                self.spec_accepted_per_pos.inc(n - before, tags={"position": str(i)})
+        self._last_spec = SpecDecodeStats(stats.num_drafts, stats.num_draft_tokens,
+                                          stats.num_accepted_tokens, per_pos)
+
     async def track(self, stream: AsyncIterator[RequestOutput], engine: LLMEngine
                     ) -> AsyncIterator[RequestOutput]:
         """Re-yield an engine output stream (gRPC's or HTTP's), observing latencies and token
@@ -134,3 +169,4 @@ class ServiceMetrics:
         self.update_gauges(engine)
         self.update_kv_cache(engine.kv_stats())  # once per stream: off the per-token path
         self.update_step_times(engine.step_totals())
+        self.update_spec_decode(engine.spec_stats)

@@ -189,3 +189,29 @@ def test_request_spans_reach_an_otlp_receiver_under_the_callers_trace(real_engin
     # without a caller's context, a trace of its own
     lone, _ = spans["untraced"]
     assert lone.trace_id.hex() != CALLER_TRACE_ID and not lone.parent_span_id
+
+
+def test_speculation_is_reported_in_usage_and_a_request_can_opt_out(make_tiny_engine):
+    """A deployment that speculates (the target as its own draft: every greedy draft is
+    accepted): its responses carry several tokens each and usage counts the drafts; a request
+    with `speculate: false` gets the same tokens one per response and no drafts."""
+    engine = make_tiny_engine(speculative_method="draft_model", num_speculative_tokens=3)
+    params = {"temperature": 0, "max_tokens": 16, "ignore_eos": True}
+
+    async def scenario(stub, core):
+        results = {}
+        for speculate in (True, False):
+            request = pb.GenerateRequest(prompt="one two three",
+                                         params=pb.SamplingParams(**params, speculate=speculate))
+            results[speculate] = [r async for r in stub.Generate(request)]
+        on, off = results[True], results[False]
+        ids = [[t for r in rs for t in r.token_ids] for rs in (on, off)]
+        assert ids[0] == ids[1] and len(ids[0]) == 16
+        assert len(off) == 16 and len(on) < 16
+        assert off[-1].usage.draft_tokens == off[-1].usage.accepted_draft_tokens == 0
+        usage = on[-1].usage
+        assert usage.accepted_draft_tokens == usage.draft_tokens > 0
+        assert usage.accepted_draft_tokens == 16 - len(on)  # each response: 1 + accepted
+
+    serve(engine, scenario)
+    assert_engine_idle(engine)

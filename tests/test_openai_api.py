@@ -390,3 +390,26 @@ def test_an_http_callers_traceparent_is_the_parent_of_its_request_spans(real_eng
     assert root.trace_id.hex() == CALLER_TRACE_ID and root.parent_span_id.hex() == CALLER_SPAN_ID
     assert attrs["gen_ai.usage.output_tokens"].int_value == reply.usage.completion_tokens == 3
     assert [s.name for s in receiver.children(root)] == ["queued", "prefill", "decode"]
+
+
+def test_speculative_decoding_over_http_usage_and_opt_out(real_checkpoint):
+    """A deployment with prompt-lookup speculation, asked to quote its prompt: the text is
+    the same with `speculate: false`, and OpenAI's usage.completion_tokens_details counts the
+    drafts the model accepted and rejected (Predicted Outputs' fields)."""
+    engine = LLMEngine(EngineConfig(kv_cache_memory=256 * 1024**2, device="cpu",
+                                    speculative_method="ngram", num_speculative_tokens=4),
+                       checkpoint=real_checkpoint)
+    quote = ("The committee met on Tuesday to review the budget for the coming year, and agreed "
+             "to fund the new library, the swimming pool and the repairs to the town hall.")
+    messages = [{"role": "user", "content": f"Repeat this sentence exactly: {quote}"}]
+    with http_server(engine) as served:
+        replies = {speculate: served.client.chat.completions.create(
+            model="SmolLM2-135M-Instruct", messages=messages, temperature=0, max_tokens=40,
+            extra_body={"speculate": speculate}) for speculate in (True, False)}
+    on, off = replies[True], replies[False]
+    assert on.choices[0].message.content == off.choices[0].message.content
+    details = on.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens > 0
+    assert details.rejected_prediction_tokens >= 0
+    assert off.usage.completion_tokens_details.accepted_prediction_tokens == 0
+    assert off.usage.completion_tokens_details.rejected_prediction_tokens == 0

@@ -131,11 +131,12 @@ class EngineConfig:
         2048, "engine steps the step recorder keeps (a ring buffer read by `kvserve trace` and "
               "per-request timelines); 0 turns the recorder off, requests' timelines too", ge=0)
     speculative_method: str | None = setting(
-        None, "speculative decoding; ngram: prompt lookup, drafts copied from where the "
-              "latest tokens occurred earlier in the prompt or output, all verified in one "
-              "forward pass (greedy output unchanged, sampled output the same distribution); "
-              "draft_model: a small model with the same tokenizer proposes its greedy tokens "
-              "(draft_model); None: off", choices=SPECULATIVE_METHODS)
+        None, "speculative decoding, the drafts of each decoding request verified in the "
+              "step's one forward pass, its output unchanged (greedy, and seeded sampling "
+              "token for token); ngram: prompt lookup, drafts copied from where the latest "
+              "tokens occurred earlier in the prompt or output; draft_model: the greedy tokens "
+              "of a small model with the same tokenizer (draft_model); None: off",
+        choices=SPECULATIVE_METHODS)
     draft_model: str | None = setting(
         None, "speculative_method draft_model: the draft's HF dir, .gguf file or hub id (its "
               "vocabulary must be the target's); None: the target model itself")

@@ -1,10 +1,11 @@
 """The OpenAI request bodies kvserve accepts, and its errors in OpenAI's shape.
 
 Field names, types and defaults are OpenAI's (plus vLLM's extras: top_k, min_p,
-repetition_penalty, ignore_eos, stop_token_ids, cache_salt), so the `openai` SDK, LangChain and
-lm-evaluation-harness send what they always send. Unknown fields are ignored, as vLLM does;
-fields kvserve cannot honour (`suffix`, `logit_bias`, `tools`, a non-text `response_format`,
-`best_of` other than `n`) are refused naming the field rather than silently dropped.
+repetition_penalty, ignore_eos, stop_token_ids, cache_salt; and kvserve's `speculate`), so the
+`openai` SDK, LangChain and lm-evaluation-harness send what they always send. Unknown fields
+are ignored, as vLLM does; fields kvserve cannot honour (`suffix`, `logit_bias`, `tools`, a
+non-text `response_format`, `best_of` other than `n`) are refused naming the field rather than
+silently dropped.
 
 Range checks are the engine's own (`SamplingParams.validate`): this module only checks types,
 so one definition of every bound serves gRPC, HTTP and in-process callers alike.
@@ -64,6 +65,8 @@ class SamplingFields(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     cache_salt: str | None = None
+    # kvserve's: false opts the request out of the deployment's speculative decoding
+    speculate: bool | None = None
     # logprobs name tokens "token_id:N" (exact, where text pieces can be ambiguous)
     return_tokens_as_token_ids: bool = False
     # each choice (and each streamed delta) carries its new `token_ids`

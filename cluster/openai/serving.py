@@ -41,7 +41,7 @@ from workers.errors import EngineShutdownError, InvalidRequestError, QueueFullEr
 
 RETRY_AFTER_S = 1  # what a 429 tells the client to wait: the queue drains within steps
 _SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-             "presence_penalty", "frequency_penalty")
+             "presence_penalty", "frequency_penalty", "speculate")
 
 
 def openai_error(exc: BaseException, rename: dict[str, str] | None = None) -> OpenAIError:
@@ -372,9 +372,16 @@ def _usage(samples: list[_Sample], n: int) -> dict[str, Any]:
     prompt = sum(len(s.prompt_ids) for s in firsts)
     completion = sum(len(s.token_ids) for s in samples)
     cached = sum(s.usage.cached_tokens for s in firsts if s.usage is not None)
+    usages = [s.usage for s in samples if s.usage is not None]
+    drafts = sum(u.draft_tokens for u in usages)
+    accepted = sum(u.accepted_draft_tokens for u in usages)
+    # speculative decoding's drafts in OpenAI's Predicted Outputs fields: tokens proposed
+    # ahead and verified by the model, accepted or rejected
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+            "prompt_tokens_details": {"cached_tokens": cached},
+            "completion_tokens_details": {"accepted_prediction_tokens": accepted,
+                                          "rejected_prediction_tokens": drafts - accepted}}
 
 
 async def _first_outputs(samples: list[_Sample]) -> None:
