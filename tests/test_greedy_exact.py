@@ -84,9 +84,18 @@ def speculative_engine(real_checkpoint) -> LLMEngine:
                      checkpoint=real_checkpoint)
 
 
+@pytest.fixture(scope="module")
+def draft_engine(real_checkpoint) -> LLMEngine:
+    """The real engine with the target as its own draft model (its own KV pool, the shared
+    weights): every greedy draft is accepted, four tokens a verifying step."""
+    return LLMEngine(EngineConfig(kv_cache_memory=1024**3, device="cpu",
+                                  speculative_method="draft_model", num_speculative_tokens=3),
+                     checkpoint=real_checkpoint)
+
+
 # the plain engine, and the same with speculative decoding: the verify pass must compute the
 # numbers decode steps would, so the outputs are the same tokens, near-ties included
-ENGINES = ["real_engine", "speculative_engine"]
+ENGINES = ["real_engine", "speculative_engine", "draft_engine"]
 
 
 def _speculated(engine: LLMEngine, before: int) -> None:

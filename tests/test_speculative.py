@@ -142,6 +142,8 @@ def test_every_proposer_leaves_the_tokens_unchanged(make, method):
     assert stats.num_draft_tokens > 0
     if method != "random draft":
         assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
+    else:  # drafts that keep failing shrink to one token a step (the adaptive draft length)
+        assert stats.num_draft_tokens < 1.3 * stats.num_drafts, stats
     # the draft's KV pool is empty again: every request's draft blocks were given back
     if spec.config.speculative_method == "draft_model":
         kv = spec.proposer.kv

@@ -141,7 +141,9 @@ class EngineConfig:
         None, "speculative_method draft_model: the draft's HF dir, .gguf file or hub id (its "
               "vocabulary must be the target's); None: the target model itself")
     num_speculative_tokens: int = setting(
-        4, "speculation: draft tokens proposed per step for each decoding request", gt=0)
+        4, "speculation: the most draft tokens per step for each decoding request; each "
+           "request's draft length adapts, two more after a step that accepted all its drafts, "
+           "one fewer after a rejection", gt=0)
     prompt_lookup_max: int = setting(4, "ngram speculation: the longest suffix matched", gt=0)
     prompt_lookup_min: int = setting(
         2, "ngram speculation: the shortest suffix matched (at most prompt_lookup_max)", gt=0)

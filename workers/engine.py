@@ -429,9 +429,10 @@ class LLMEngine:
         reasons = self.scheduler.update_from_output(
             scheduled, seqs, [v.token_ids for v in verified], texts.push)
         finished = [(s, r) for s, r in zip(seqs, reasons, strict=True) if r is not None]
-        for v in verified:
+        for seq, v in zip(seqs, verified, strict=True):
             if v.num_drafts:
                 self.spec_stats.observe(v.num_drafts, v.num_accepted)
+                seq.spec_len = _next_spec_len(v, self.config.num_speculative_tokens)
         phases = (schedule_s, copy_s, prepare_s, forward_s, sample_s, clock.lap())
         for i, seconds in enumerate(phases):
             self._phase_seconds[i] += seconds
@@ -464,7 +465,7 @@ class LLMEngine:
                        self.max_model_len - seq.num_tokens) - 1  # the target's own token: 1
             if on and room > 0 and seq.params.speculate and (
                     seq.num_tokens - seq.num_computed_tokens == 1):  # decoding
-                wanted.append((seq, min(k, room)))
+                wanted.append((seq, min(seq.spec_len or k, room)))
         if wanted:
             for (seq, _), drafts in zip(wanted, self.proposer.propose(wanted), strict=True):
                 seq.spec_token_ids = drafts
@@ -673,6 +674,15 @@ def _add_timeline_events(record: StepRecord, scheduled: SchedulerOutput) -> None
         first_tokens={rid: t for rid, t in first_tokens.items() if t is not None})
     for rid, event in events:
         seqs[rid].events.append(event)
+
+
+def _next_spec_len(verified: Verified, most: int) -> int:
+    """A request's next draft length, Hugging Face's heuristic schedule: two more after a
+    step that accepted every draft, one fewer after a rejection (within 1..most). Where drafts
+    keep failing (open-ended chat) a verifying step then costs one extra row, not `most`."""
+    if verified.num_accepted == verified.num_drafts:
+        return min(most, verified.num_drafts + 2)
+    return max(1, verified.num_drafts - 1)
 
 
 def _add_preemption_events(preempted: list[Sequence], start: float, step: int) -> None:

@@ -50,6 +50,7 @@ class Sequence:
     # speculative decoding: the draft tokens proposed to follow token_ids, verified next step
     spec_token_ids: list[int] = field(default_factory=list)
     num_draft_tokens: int = 0  # drafts verified so far
+    spec_len: int = 0  # drafts to ask for next step (0: the most, num_speculative_tokens)
     num_accepted_tokens: int = 0  # of which the target model accepted
 
     def __post_init__(self) -> None:
