@@ -39,7 +39,8 @@ def _engine_fields() -> dict[str, Any]:
         kind: Any = spec.type
         bounds = {"gt": spec.info.gt, "ge": spec.info.ge, "le": spec.info.le}
         if spec.info.choices:
-            kind = Literal[spec.info.choices]
+            kind = Literal[spec.info.choices] | None if spec.optional else Literal[
+                spec.info.choices]
         elif spec.info.memory:  # "1GiB" or bytes: parsed, then bounded, by EngineConfig
             kind, bounds = (str | int | None if spec.optional else str | int), {}
         fields[spec.name] = (kind, Field(defaults[spec.name], description=spec.info.help,
