@@ -56,19 +56,31 @@ def small_pool_engine() -> LLMEngine:
     return LLMEngine(EngineConfig(device="cpu", num_kv_blocks=24, max_num_batched_tokens=256))
 
 
-def test_isolation_after_preemption_and_block_reuse(small_pool_engine):
+@pytest.fixture(scope="module")
+def small_pool_speculative_engine() -> LLMEngine:
+    """The same small pool, with prompt-lookup speculation: rejected drafts write K/V into
+    slots (and blocks) that are given back and reused by other requests."""
+    return LLMEngine(EngineConfig(device="cpu", num_kv_blocks=24, max_num_batched_tokens=256,
+                                  speculative_method="ngram", prompt_lookup_min=1))
+
+
+@pytest.mark.parametrize("engine_name", ["small_pool_engine", "small_pool_speculative_engine"])
+def test_isolation_after_preemption_and_block_reuse(engine_name, request, small_pool_engine):
     """Two private prompts, run among long fillers in a pool too small for all of them, answer
     exactly as they do alone. The claim needs the pressure to be real, so it is asserted: the
     engine preempted (its public KV stats) and some KV block served two requests (pigeonhole on
     the requests' own token counts). Negative control: with `num_kv_blocks=200` both pressure
-    asserts fail (checked by hand), so the output comparison is not vacuous."""
-    engine = small_pool_engine
+    asserts fail (checked by hand), so the output comparison is not vacuous. With speculation
+    the solo answers are the plain engine's, and drafts must have been rejected (their K/V
+    written to slots that other requests' blocks then reuse)."""
+    engine: LLMEngine = request.getfixturevalue(engine_name)
     tok = engine.tokenizer
     secret_a = tok("User A's account number is 4417-1234-5678-9113 and the balance is")["input_ids"]
     secret_b = tok("Dear diary, today the weather in Oslo was cold and")["input_ids"]
     requests = [{"prompt_token_ids": secret_a, "params": {"temperature": 0, "max_tokens": 40}},
                 {"prompt_token_ids": secret_b, "params": {"temperature": 0, "max_tokens": 40}}]
-    solo = [run_solo(engine, r) for r in requests]
+    solo = [run_solo(small_pool_engine, r) for r in requests]
+    rejected_before = engine.spec_stats.num_draft_tokens - engine.spec_stats.num_accepted_tokens
     # pad the batch with long requests so the pool runs out and blocks are reused
     filler = [{"prompt_token_ids": list(range(200, 300)), "params": {"temperature": 0,
               "max_tokens": 30, "ignore_eos": True}} for _ in range(3)]
@@ -82,6 +94,9 @@ def test_isolation_after_preemption_and_block_reuse(small_pool_engine):
     assert together[1] == solo[0]
     assert together[4] == solo[1]
     assert_engine_idle(engine)
+    if engine.proposer is not None:
+        stats = engine.spec_stats
+        assert stats.num_draft_tokens - stats.num_accepted_tokens > rejected_before
 
 
 def blocks_held(engine: LLMEngine, outputs: list[RequestOutput]) -> int:

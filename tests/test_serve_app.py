@@ -42,8 +42,11 @@ def served(tmp_path_factory) -> Served:
     # key tests at the end
     keys = tmp_path_factory.mktemp("keys") / "keys.yaml"
     keys.write_text(KEYS)
+    # prompt-lookup speculation on (#20): set in AppConfig, it must reach the replica's engine
+    # and its metrics, and change no greedy token the tests below compare
     with serve_locally({"kv_cache_memory": "256MiB", "max_num_seqs": 2,
-                        "max_waiting_requests": 64, "api_keys_file": str(keys)}) as served:
+                        "max_waiting_requests": 64, "api_keys_file": str(keys),
+                        "speculative_method": "ngram", "prompt_lookup_min": 1}) as served:
         served.api_key = "sk-acme"
         yield served
 
@@ -165,7 +168,12 @@ def test_prometheus_endpoint_exposes_every_metric_during_traffic(served):
     long = pb.GenerateRequest(
         prompt="Tell me a long story.", params=pb.SamplingParams(max_tokens=2000, ignore_eos=True)
     )
-    calls = [stub.Generate(long, metadata=served.metadata) for _ in range(3)]  # the third one waits
+    # a greedy request that repeats its prompt: its drafts are accepted (the spec_decode metrics)
+    quote = pb.GenerateRequest(
+        prompt="Repeat this line ten times: the red fox and the blue owl sat by the old mill.",
+        params=pb.SamplingParams(max_tokens=2000, ignore_eos=True, temperature=0))
+    calls = [stub.Generate(r, metadata=served.metadata) for r in (long, quote, long)]
+    # (the third one waits)
     missing: list[str] = list(METRIC_NAMES)
     deadline = time.monotonic() + 60
     try:
