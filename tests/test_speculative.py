@@ -338,3 +338,14 @@ def test_opt_out_usage_batch_size_limit_and_the_timeline(make):
     assert next(iter(alone.values()))[-1].usage.draft_tokens > 0
     with pytest.raises(Exception, match="speculate"):
         spec.add_request(prompt_token_ids=prompt, params={"speculate": "yes"})
+
+
+def test_the_draft_model_applies_the_requests_penalties(make):
+    """The target as its own draft, greedy with a strong repetition penalty: the draft's
+    tokens are its penalised argmax, so the target accepts every one (with the raw argmax the
+    penalty would make it reject some: checked by hand on these prompts)."""
+    spec = make(**DRAFT, num_speculative_tokens=3)
+    params = {"temperature": 0.0, "repetition_penalty": 1.8, "presence_penalty": 0.5}
+    assert _run(spec, params) == _run(make(), params)
+    stats = spec.spec_stats
+    assert stats.num_accepted_tokens == stats.num_draft_tokens > 0

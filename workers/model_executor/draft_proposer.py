@@ -4,7 +4,9 @@ k tokens of each decoding request, and the target verifies them in its own step.
 The draft runs inside the engine's step, before the target is scheduled: one forward pass that
 brings each request's draft KV up to date (the whole prompt the first time, afterwards the
 tokens the target accepted since), then k - 1 batched decode passes. Its drafts are its greedy
-tokens, as vLLM v1's draft proposers give them: a deterministic draft is a point mass, which
+tokens after the request's penalties (the mode of its distribution as the request's sampling
+shapes it: temperature, top-k, top-p and min-p never drop the mode), as vLLM v1's draft
+proposers give argmax drafts. A deterministic draft is a point mass, which
 `rejection_sampler` verifies exactly (greedy output unchanged, sampled output the same tokens
 as without speculation for a seeded request).
 
@@ -18,12 +20,15 @@ drafts until it can.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from workers.core.block_manager import BlockManager
 from workers.core.scheduler import ScheduledChunk
 from workers.core.sequence import Sequence
 from workers.model_executor.model_runner import ModelRunner
+from workers.model_executor.sampler import sample
 
 
 class DraftModelProposer:
@@ -65,7 +70,10 @@ class DraftModelProposer:
         this step's rows; None (and its draft state dropped) when the pool is too full."""
         shadow = self.shadows.get(seq.request_id)
         if shadow is None:
-            shadow = Sequence(seq.request_id, seq.prompt_token_ids, seq.params, seq.generator)
+            # greedy with the request's penalties: the mode of the draft's distribution after
+            # the request's sampling steps (temperature, top-k, top-p and min-p keep the mode)
+            params = dataclasses.replace(seq.params, temperature=0.0, logprobs=None)
+            shadow = Sequence(seq.request_id, seq.prompt_token_ids, params, seq.generator)
             self.shadows[seq.request_id] = shadow
         # valid: the tokens the draft computed that are still the request's (all but the
         # newest, which the target sampled and the draft has not seen)
@@ -83,9 +91,10 @@ class DraftModelProposer:
 
     @torch.inference_mode()
     def _greedy(self, chunks: list[ScheduledChunk]) -> list[int]:
-        """One forward pass of the draft over `chunks`: each chunk's next greedy token."""
+        """One forward pass of the draft over `chunks`: each chunk's next greedy token (after
+        its request's penalties)."""
         inp = self.runner.prepare(chunks)
         logits = self.runner.forward(inp)  # [chunks, vocab]: every chunk reaches its end
-        token_of = {id(c): t for c, t in zip(inp.sampling, logits.argmax(dim=-1).tolist(),
-                                             strict=True)}  # (rows run decodes first)
-        return [token_of[id(c)] for c in chunks]
+        tokens, _ = sample(logits, [c.seq for c in inp.sampling])  # greedy: no draw is taken
+        token_of = {id(c): t for c, t in zip(inp.sampling, tokens, strict=True)}
+        return [token_of[id(c)] for c in chunks]  # (the runner puts decodes first)
