@@ -2,7 +2,8 @@
 
 Each replica first sends its pending KV events, then reports its actual state; the manager lists
 every difference (blocks per tier, live requests, replicas). Requests still streaming can change
-state between the two reads, so a non-empty answer is re-checked a few times before it counts.
+state between the two reads, so a non-empty answer is re-checked a few times before it counts;
+so is a check during which a replica died (Serve is replacing it).
 """
 
 from __future__ import annotations
@@ -25,7 +26,12 @@ def find_problems(handle: Any, manager: Any, attempts: int = 4, wait_s: float = 
     for attempt in range(attempts):
         if attempt:
             time.sleep(wait_s)
-        states = handle.broadcast("kv_state").results()
+        try:
+            states = handle.broadcast("kv_state").results()
+        except ray.exceptions.RayActorError as exc:  # a replica died as it was asked: Serve
+            # replaces it and the manager's lease drops its entries, so ask again
+            problems = [f"a replica died during the check ({type(exc).__name__})"]
+            continue
         problems = ray.get(manager.check.remote(states))
         if not problems:
             break

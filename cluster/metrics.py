@@ -165,6 +165,8 @@ class ServiceMetrics:
                         self.prompt_tokens.inc(out.usage.prompt_tokens)
                     self.success.inc(tags={"finished_reason": out.finish_reason})
                 self.update_gauges(engine)
+                if len(out.token_ids) > 1:  # a verifying step emitted drafts: count them now
+                    self.update_spec_decode(engine.spec_stats)
                 yield out
         self.update_gauges(engine)
         self.update_kv_cache(engine.kv_stats())  # once per stream: off the per-token path

@@ -172,8 +172,10 @@ def test_prometheus_endpoint_exposes_every_metric_during_traffic(served):
     quote = pb.GenerateRequest(
         prompt="Repeat this line ten times: the red fox and the blue owl sat by the old mill.",
         params=pb.SamplingParams(max_tokens=2000, ignore_eos=True, temperature=0))
-    calls = [stub.Generate(r, metadata=served.metadata) for r in (long, quote, long)]
-    # (the third one waits)
+    calls = [stub.Generate(r, metadata=served.metadata) for r in (long, quote)]
+    next(calls[0]), next(calls[1])  # both admitted (max_num_seqs 2) before a third is sent:
+    calls.append(stub.Generate(long, metadata=served.metadata))  # it waits behind them (had it
+    # been admitted first, one of the streams read below would wait for a 2,000-token request)
     missing: list[str] = list(METRIC_NAMES)
     deadline = time.monotonic() + 60
     try:
