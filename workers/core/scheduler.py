@@ -38,6 +38,12 @@ class ScheduledChunk:
         return self.seq.num_computed_tokens
 
     @property
+    def is_decode(self) -> bool:
+        """The sequence's next token with context before it (and any drafts after it): run as
+        decode rows, one per token (`ModelRunner.prepare`)."""
+        return self.start > 0 and self.num_tokens == 1 + len(self.drafts)
+
+    @property
     def samples(self) -> bool:
         """The chunk reaches the sequence's last token (and its drafts), so its logits give
         the next token(s)."""

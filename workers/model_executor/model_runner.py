@@ -88,8 +88,8 @@ class ModelRunner:
         attends, so row j sees drafts 0..j-1 in the cache, and each row is computed exactly as
         the decode step that would have produced it (the same kernels, the same context, and
         matmuls whose rows do not depend on the batch). So verification changes no number."""
-        decodes = [c for c in chunks if c.start > 0 and c.num_tokens == 1 + len(c.drafts)]
-        prefills = [c for c in chunks if not (c.start > 0 and c.num_tokens == 1 + len(c.drafts))]
+        decodes = [c for c in chunks if c.is_decode]
+        prefills = [c for c in chunks if not c.is_decode]
         ordered = decodes + prefills
         ids: list[int] = []
         positions: list[int] = []
