@@ -59,6 +59,12 @@ class Autoscaling(BaseModel):
     max_replicas: int = Field(2, ge=1)
     # ongoing requests per replica Serve aims for: high, so continuous batching fills batches
     target_ongoing_requests: float = Field(32, gt=0)
+    # how long load must stay above (below) target before Serve adds (removes) replicas, and
+    # the window its average covers; Serve's defaults (a CPU test cluster shortens them)
+    upscale_delay_s: float = Field(30.0, ge=0)
+    downscale_delay_s: float = Field(600.0, ge=0)
+    look_back_period_s: float = Field(30.0, gt=0)
+    metrics_interval_s: float = Field(10.0, gt=0)
 
 
 class AppConfig(EngineSettings):  # type: ignore[misc,valid-type]

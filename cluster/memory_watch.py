@@ -1,7 +1,8 @@
-"""Replica resident memory over a load test, for soak runs.
+"""Replica resident memory and replica count over a load test, for soak and autoscaling runs.
 
 `MemoryWatch` samples every replica's published status row (`cluster.replica_status`, which
-carries the process's RSS) from a daemon thread while a load runs; `memory_report` turns the
+carries the process's RSS) from a daemon thread while a load runs, and counts the replicas
+each time; `memory_report` turns the
 samples into start / after-warm-up / end per replica and the growth after warm-up, the number a
 soak test bounds (memory allocated while warming up, such as allocator pools and compiled
 kernels, is expected; growth after it is a leak).
@@ -41,16 +42,20 @@ class ReplicaMemory:
 class MemoryWatch:
     """Samples `read_rows()` (replica id -> RSS bytes) every `interval_s` until stopped."""
 
-    def __init__(self, read_rows: Callable[[], dict[str, int]], interval_s: float = 5.0) -> None:
+    def __init__(self, read_rows: Callable[[], dict[str, int]], interval_s: float = 2.0) -> None:
         self.read_rows, self.interval_s = read_rows, interval_s
         self.samples: list[MemorySample] = []
+        # (t_s, replicas publishing a status row): how many replicas served, over the load
+        # (autoscaling, replacements after a failure)
+        self.replica_counts: list[tuple[float, int]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvserve-memory-watch",
                                         daemon=True)
         self._start = 0.0
+        self.started_at = 0.0  # wall clock (time.time()) at t_s = 0, to align other series
 
     def __enter__(self) -> MemoryWatch:
-        self._start = time.monotonic()
+        self._start, self.started_at = time.monotonic(), time.time()
         self._sample()
         self._thread.start()
         return self
@@ -66,9 +71,11 @@ class MemoryWatch:
 
     def _sample(self) -> None:
         now = time.monotonic() - self._start
-        for replica_id, rss in self.read_rows().items():
+        rows = self.read_rows()
+        for replica_id, rss in rows.items():
             if rss > 0:
                 self.samples.append(MemorySample(now, replica_id, rss))
+        self.replica_counts.append((now, len(rows)))
 
 
 def memory_report(samples: list[MemorySample], warmup_s: float) -> list[ReplicaMemory]:

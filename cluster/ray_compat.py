@@ -216,7 +216,9 @@ async def probe_queue_lens(router: Any, replicas: list[Any]) -> list[tuple[Any, 
 
 
 # -- the gRPC proxy (cluster/grpc_ingress.py) -------------------------------------------------
-REPLICA_DIED_WORDS = ("actor died", "actor is dead")  # in Ray's ActorDiedError messages
+# in Ray's ActorDiedError messages, and ActorUnavailableError's (the replica's node died or is
+# unreachable: its process may be gone with it)
+REPLICA_DIED_WORDS = ("actor died", "actor is dead", "is unavailable:")
 
 
 def replace_proxy_handler_factory(server: Any,
@@ -238,9 +240,10 @@ def replace_proxy_handler_factory(server: Any,
 def is_replica_death(code: Any, details: str | None) -> bool:
     """Whether a gRPC status the proxy set means "the replica died under the request".
 
-    Why: Serve reports an `ActorDiedError` as INTERNAL with the error's text as details and
-    nothing else to tell it from a bug; kvserve turns it into the retryable UNAVAILABLE. So it
-    matches Ray's wording, which no API promises."""
+    Why: Serve reports an `ActorDiedError` (the replica's process died) and an
+    `ActorUnavailableError` (its node died: the connection to it closed) as INTERNAL with the
+    error's text as details and nothing else to tell them from a bug; kvserve turns them into
+    the retryable UNAVAILABLE. So it matches Ray's wording, which no API promises."""
     import grpc
 
     text = (details or "").lower()

@@ -179,6 +179,9 @@ def _up_detach_status_generate_down(model_dir, tmp_path, monkeypatch, stack):
         assert "nothing deployed" in gone.stderr and "Traceback" not in gone.stderr
         again_down = kvserve("down")
         assert again_down.returncode == 1 and "nothing running" in again_down.stderr
+        nowhere = kvserve("deploy", "--replicas", "2")  # nothing to apply it to: one line
+        assert nowhere.returncode == 1 and nowhere.stderr.startswith("kvserve: "), nowhere.stderr
+        assert "Traceback" not in nowhere.stderr
     finally:
         leftover = local_head.read_state()
         if leftover is not None and leftover.started_head and leftover.head_pid:
@@ -191,7 +194,10 @@ def test_help_explains_detach_status_and_down():
 
     up = run("up", "--help")
     assert up.returncode == 0 and "--detach" in up.stdout and "kvserve down" in up.stdout
-    for command in ("status", "down", "cache check"):
+    deploy = run("deploy", "--help")
+    assert deploy.returncode == 0 and "serve deploy" in deploy.stdout
+    assert "--config" in deploy.stdout and "--max-num-seqs" in deploy.stdout  # every setting
+    for command in ("status", "down", "cache check", "deploy"):
         out = run(*command.split(), "--help")
         assert out.returncode == 0 and "--address" in out.stdout, out.stderr
     assert "--json" in run("status", "--help").stdout

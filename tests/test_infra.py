@@ -295,3 +295,97 @@ def test_prometheus_reads_rays_service_discovery_file():
     files = [f for job in config["scrape_configs"] for sd in job.get("file_sd_configs", [])
              for f in sd["files"]]
     assert f"/tmp/ray/{prometheus_service_discovery_file()}" in files
+
+
+# The RayService fields of KubeRay's ray.io/v1 CRD at the operator version pinned in
+# infra/k8s/rayservice.yaml (v1.7.0): allowed keys per level, the required ones, and value types.
+# Written from the CRD's openAPIV3Schema; a key KubeRay does not know is dropped by the API
+# server without a word (structural pruning), so a typo would silently do nothing.
+KUBERAY_VERSION = "v1.7.0"
+RAYSERVICE_SPEC = {"deploymentUnhealthySecondThreshold", "excludeHeadPodFromServeSvc",
+                   "managedBy", "rayClusterConfig", "rayClusterDeletionDelaySeconds",
+                   "serveConfigV2", "serveService", "serviceUnhealthySecondThreshold",
+                   "suspend", "upgradeStrategy"}
+RAYCLUSTER_SPEC = {"authOptions", "autoscalerOptions", "enableInTreeAutoscaling",
+                   "gcsFaultToleranceOptions", "headGroupSpec", "headServiceAnnotations",
+                   "historyServerOptions", "managedBy", "networkPolicy", "rayVersion", "suspend",
+                   "tlsOptions", "upgradeStrategy", "workerGroupSpecs"}
+HEAD_GROUP = {"enableIngress", "headService", "ingressOptions", "labels", "rayStartParams",
+              "resources", "serviceType", "template"}
+WORKER_GROUP = {"groupName", "idleTimeoutSeconds", "labels", "maxReplicas", "minReplicas",
+                "numOfHosts", "priority", "rayStartParams", "replicas", "resources",
+                "scaleStrategy", "suspend", "template"}
+WORKER_GROUP_REQUIRED = {"groupName", "maxReplicas", "minReplicas", "template"}
+INT32 = 2**31 - 1
+
+
+def rayservice_problems(doc: dict) -> list[str]:
+    """Where `doc` breaks the ray.io/v1 RayService structure (empty: none)."""
+    problems = []
+
+    def keys(where: str, value: dict, allowed: set[str], required: set[str] = frozenset()):
+        if not isinstance(value, dict):
+            problems.append(f"{where}: not a mapping")
+            return
+        problems.extend(f"{where}.{k}: not a field of KubeRay {KUBERAY_VERSION}"
+                        for k in sorted(set(value) - allowed))
+        problems.extend(f"{where}.{k}: required" for k in sorted(required - set(value)))
+
+    def pod(where: str, template: dict) -> None:
+        keys(where, template, {"metadata", "spec"})
+        containers = template.get("spec", {}).get("containers")
+        if not containers:
+            problems.append(f"{where}.spec.containers: required")
+        for i, c in enumerate(containers or []):
+            if not c.get("name") or not c.get("image"):
+                problems.append(f"{where}.spec.containers[{i}]: name and image required")
+
+    def start_params(where: str, params: dict) -> None:
+        problems.extend(f"{where}.{k}: {v!r} is not a string (KubeRay wants strings)"
+                        for k, v in (params or {}).items() if not isinstance(v, str))
+
+    if (doc.get("apiVersion"), doc.get("kind")) != ("ray.io/v1", "RayService"):
+        problems.append("not a ray.io/v1 RayService")
+    spec = doc.get("spec", {})
+    keys("spec", spec, RAYSERVICE_SPEC, {"rayClusterConfig"})
+    if not isinstance(spec.get("serveConfigV2", ""), str):
+        problems.append("spec.serveConfigV2: must be a string (YAML in a block scalar)")
+    cluster = spec.get("rayClusterConfig", {})
+    keys("rayClusterConfig", cluster, RAYCLUSTER_SPEC, {"headGroupSpec"})
+    head = cluster.get("headGroupSpec", {})
+    keys("headGroupSpec", head, HEAD_GROUP, {"template"})
+    start_params("headGroupSpec.rayStartParams", head.get("rayStartParams"))
+    pod("headGroupSpec.template", head.get("template", {}))
+    for group in cluster.get("workerGroupSpecs", []):
+        where = f"workerGroupSpecs[{group.get('groupName')}]"
+        keys(where, group, WORKER_GROUP, WORKER_GROUP_REQUIRED)
+        counts = {k: group.get(k, d) for k, d in
+                  (("minReplicas", 0), ("replicas", 0), ("maxReplicas", INT32))}
+        if not all(isinstance(v, int) and 0 <= v <= INT32 for v in counts.values()):
+            problems.append(f"{where}: replica counts must be int32: {counts}")
+        elif not counts["minReplicas"] <= counts["replicas"] <= counts["maxReplicas"]:
+            problems.append(f"{where}: needs minReplicas <= replicas <= maxReplicas: {counts}")
+        start_params(f"{where}.rayStartParams", group.get("rayStartParams"))
+        pod(f"{where}.template", group.get("template", {}))
+    return problems
+
+
+def test_rayservice_has_the_structure_of_kuberays_crd():
+    """The RayService against KubeRay's ray.io/v1 structure (fields, required ones, types), and
+    the check's negative controls: a misspelt field, a number in rayStartParams, a worker group
+    without maxReplicas, replicas above the maximum."""
+    import copy
+
+    doc = _k8s("RayService")
+    assert rayservice_problems(doc) == []
+    broken = copy.deepcopy(doc)
+    cluster = broken["spec"]["rayClusterConfig"]
+    cluster["enableInTreeAutoscaler"] = True  # misspelt: KubeRay would prune it silently
+    cluster["headGroupSpec"]["rayStartParams"]["num-cpus"] = 0
+    del cluster["workerGroupSpecs"][0]["maxReplicas"]
+    worse = copy.deepcopy(doc)
+    worse["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["replicas"] = 9
+    found = rayservice_problems(broken) + rayservice_problems(worse)
+    assert [p.split(":")[0] for p in found] == [
+        "rayClusterConfig.enableInTreeAutoscaler", "headGroupSpec.rayStartParams.num-cpus",
+        "workerGroupSpecs[gpu].maxReplicas", "workerGroupSpecs[gpu]"], found

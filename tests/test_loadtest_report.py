@@ -115,3 +115,36 @@ def test_summary_takes_ttft_and_itl_percentiles_from_the_raw_samples(tmp_path):
     # samples recorded but none came (every stream failed before its first token): no number
     none = summarize(cfg, {"output_tokens": 0, "ttft_ms": [], "itl_ms": []}, elapsed_s=9.0)
     assert none.ttft_p99_ms is None and none.itl_p50_ms is None
+
+
+def test_the_watch_counts_replicas_and_the_load_plot_shows_them_with_users_and_refusals(
+        tmp_path):
+    """Autoscaling's record (#21): the replica count each time the watch samples, the users and
+    cumulative failures from Locust's history rows, and a plot of the three."""
+    from cluster.memory_watch import MemoryWatch
+    from kvserve.bench.loadtest import _changes, format_summary, load_history, plot_load
+
+    replies = iter([{"a": MiB}, {"a": MiB, "b": MiB}, {"a": MiB, "b": 0, "c": MiB}])
+    watch = MemoryWatch(lambda: next(replies), interval_s=3600)
+    with watch:
+        watch._sample()
+    assert [n for _, n in watch.replica_counts] == [1, 2, 3]  # a row without RSS still counts
+    assert {s.replica_id for s in watch.samples} == {"a", "b", "c"}
+
+    started = 1_700_000_000.0
+    header = ("Timestamp,User Count,Type,Name,Requests/s,Failures/s,50%,Total Request Count,"
+              "Total Failure Count\n")
+    rows = [f"{int(started) + t},{u},,Aggregated,1,0,10,{t},{f}\n"
+            for t, u, f in [(1, 2, 0), (2, 4, 3), (3, 6, 9), (4, 6, 9)]]
+    rows.insert(2, f"{int(started) + 2},4,grpc,stream,1,0,10,2,3\n")  # not an aggregate row
+    (tmp_path / "history.csv").write_text(header + "".join(rows))
+    load = load_history(tmp_path / "history.csv", started)
+    assert load == [[1.0, 2, 0], [2.0, 4, 3], [3.0, 6, 9], [4.0, 6, 9]]
+
+    summary = _summary(6)
+    summary.load_over_time, summary.files = load, [str(tmp_path / "locust_stats.csv")]
+    summary.replicas_over_time = [[0.0, 1], [2.0, 1], [4.0, 2], [6.0, 3], [8.0, 1]]
+    assert _changes(summary.replicas_over_time) == "1 -> 2 (at 4 s) -> 3 (at 6 s) -> 1 (at 8 s)"
+    assert "replicas           1 -> 2 (at 4 s)" in format_summary(summary)
+    png = plot_load(summary, tmp_path / "load.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000

@@ -1,26 +1,50 @@
-"""Many nodes, simulated (#21, part 1): `kvserve up --local-nodes 3 --gpus-per-node 1` starts a
-head and two worker nodes on this machine as separate raylets, each declaring one logical GPU;
-three replicas with one GPU each land on three distinct nodes, say once that their GPU is only
-logical, serve on the CPU, show their node and GPU in `kvserve status`; `kvserve down` stops
-every node it started."""
+"""Many nodes, simulated (#21): one cluster for the module, `kvserve up --detach --local-nodes 3
+--gpus-per-node 1`: a head and two worker nodes on this machine, separate raylets, each
+declaring one logical GPU; three replicas with one GPU each, the real model.
+
+In order, on that cluster:
+- placement: three replicas on three distinct nodes and GPUs, each saying once that its GPU is
+  only logical and serving on the CPU; the cache manager on the head;
+- routing: 8 chats x 5 turns stay on the replica holding their history, across nodes;
+- node failure: SIGKILL a worker node while clients stream: its streams end UNAVAILABLE, its
+  replica's index entries vanish within the lease, new requests succeed, no block leaks; the
+  replacement waits (no free GPU) until the node rejoins, and then lands on it;
+- infra/serve/cpu.yaml rolled onto the cluster unchanged by `kvserve deploy`;
+- autoscaling: `kvserve deploy` with `autoscaling` (1 to 3), and a `kvserve loadtest` ramp
+  drives the replica count up across nodes and back to 1 after the load;
+- `kvserve down` stops every node, the rejoined one included.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import grpc
 import pytest
 
 from cluster import local_head
-from tests.serving import free_port
+from kvserve.v1 import generation_pb2 as pb
+from kvserve.v1 import generation_pb2_grpc as pb_grpc
+from tests.serving import METADATA, free_port
 from tests.test_cli import KVSERVE
 from tests.test_cli_detached import new_user_env
+from tests.test_serve_cache import HIT_RATE, conversations
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
+NODES = 3
+INFRA_CPU_YAML = Path(__file__).resolve().parents[1] / "infra" / "serve" / "cpu.yaml"
+LEASE_TTL_S = 10.0  # AppConfig.kv_lease_ttl_s's default: the index drops a silent replica's entries
 LOGICAL_GPU = "no CUDA device is visible: a logical GPU only"
 WHERE_IS_THE_MANAGER = """
 import sys, ray
@@ -34,67 +58,327 @@ print(head, ray.get(manager.node_id.remote()))
 """
 
 
-def test_three_local_nodes_one_logical_gpu_each_one_replica_per_node(model_dir, tmp_path,
-                                                                     monkeypatch):
-    env = new_user_env(model_dir, tmp_path)
-    monkeypatch.setenv("KVSERVE_CACHE_DIR", env["KVSERVE_CACHE_DIR"])  # read_state() below
+@dataclass
+class SimCluster:
+    """The module's cluster, driven as a user drives it: the kvserve CLI and a gRPC client
+    (never a driver in pytest's own process: it would keep this cluster's auth settings)."""
 
-    def kvserve(*args: str, timeout: float = 400) -> subprocess.CompletedProcess:
-        return subprocess.run([*KVSERVE, *args], capture_output=True, text=True, env=env,
+    env: dict[str, str]
+    port: int
+    state: local_head.UpState
+    channel: grpc.Channel = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
+        self.stub = pb_grpc.GenerationStub(self.channel)
+        self.metadata = METADATA
+
+    def kvserve(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+        return subprocess.run([*KVSERVE, *args], capture_output=True, text=True, env=self.env,
                               timeout=timeout)
 
+    def status(self) -> dict:
+        done = self.kvserve("status", "--json", timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return json.loads(done.stdout)
+
+    def running(self) -> list[dict]:
+        return [r for r in self.status()["replicas"] if r["state"] == "RUNNING"]
+
+    def cache_check(self) -> subprocess.CompletedProcess:
+        return self.kvserve("cache", "check", timeout=120)
+
+    def greedy(self, prompt: str, max_tokens: int = 6) -> list[int]:
+        request = pb.GenerateRequest(prompt=prompt, params=pb.SamplingParams(
+            temperature=0, max_tokens=max_tokens))
+        return [t for r in self.stub.Generate(request, metadata=self.metadata, timeout=120)
+                for t in r.token_ids]
+
+
+@pytest.fixture(scope="module")
+def sim(model_dir: Path, tmp_path_factory) -> Iterator[SimCluster]:
+    env = new_user_env(model_dir, tmp_path_factory.mktemp("multinode"))
     port = free_port()
-    try:
-        up = kvserve("up", "--detach", "--local-nodes", "3", "--gpus-per-node", "1",
-                     "--replicas", "3", "--num-gpus-per-replica", "1", "--kv-cache-memory",
-                     "64MiB", "--grpc-port", str(port), "--http-port", str(free_port()))
-        assert up.returncode == 0, up.stdout + up.stderr
-        assert "started 3 Ray nodes here" in up.stdout
-        state = local_head.read_state()
-        assert state is not None and len(state.node_pids) == 2
-        assert all(local_head._is_ray_start(p, state.temp_dir) for p in state.node_pids)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KVSERVE_CACHE_DIR", env["KVSERVE_CACHE_DIR"])  # read_state() below
+        try:
+            up = subprocess.run(
+                [*KVSERVE, "up", "--detach", "--local-nodes", str(NODES), "--gpus-per-node", "1",
+                 "--replicas", "3", "--num-gpus-per-replica", "1", "--kv-cache-memory",
+                 "256MiB", "--grpc-port", str(port), "--http-port", str(free_port())],
+                capture_output=True, text=True, env=env, timeout=400)
+            assert up.returncode == 0, up.stdout + up.stderr
+            assert f"started {NODES} Ray nodes here" in up.stdout
+            state = local_head.read_state()
+            assert state is not None and len(state.node_pids) == NODES - 1
+            cluster = SimCluster(env, port, state)
+            yield cluster
+            cluster.channel.close()
+        finally:
+            leftover = local_head.read_state()
+            if leftover is not None and leftover.started_head and leftover.head_pid:
+                local_head.stop_head(leftover.head_pid, leftover.temp_dir,
+                                     node_pids=leftover.node_pids)
 
-        report = json.loads(kvserve("status", "--json").stdout)
-        replicas = report["replicas"]
-        assert [r["state"] for r in replicas] == ["RUNNING"] * 3
-        nodes = {r["node_id"] for r in replicas}
-        assert len(nodes) == 3 and "" not in nodes  # one replica per node
-        assert [r["gpu_ids"] for r in replicas] == [["0"]] * 3  # each node's one GPU
-        assert [r["device"] for r in replicas] == ["cpu"] * 3
-        table = kvserve("status").stdout
-        assert "NODE" in table and "GPU" in table
-        assert all(r["node_id"][:8] in table for r in replicas)
 
-        logs = list(Path(state.temp_dir).glob("session_latest/logs/serve/replica_*.log"))
-        said = [log.read_text().count(LOGICAL_GPU) for log in logs]
-        assert sorted(said) == [0] * (len(said) - 3) + [1, 1, 1]  # once per replica
+def test_three_local_nodes_one_logical_gpu_each_one_replica_per_node(sim: SimCluster):
+    state = sim.state
+    assert all(local_head._is_ray_start(p, state.temp_dir) for p in state.node_pids)
+    report = sim.status()
+    replicas = report["replicas"]
+    assert [r["state"] for r in replicas] == ["RUNNING"] * 3
+    nodes = {r["node_id"] for r in replicas}
+    assert len(nodes) == 3 and "" not in nodes  # one replica per node
+    assert [r["gpu_ids"] for r in replicas] == [["0"]] * 3  # each node's one GPU
+    assert [r["device"] for r in replicas] == ["cpu"] * 3
+    table = sim.kvserve("status").stdout
+    assert "NODE" in table and "GPU" in table
+    assert all(r["node_id"][:8] in table for r in replicas)
 
-        gen = kvserve("generate", "--target", f"127.0.0.1:{port}", "Hello", "--max-tokens",
+    logs = list(Path(state.temp_dir).glob("session_latest/logs/serve/replica_*.log"))
+    said = [log.read_text().count(LOGICAL_GPU) for log in logs]
+    assert sorted(said) == [0] * (len(said) - 3) + [1, 1, 1]  # once per replica
+
+    gen = sim.kvserve("generate", "--target", f"127.0.0.1:{sim.port}", "Hello", "--max-tokens",
                       "3", "--json")
-        assert gen.returncode == 0, gen.stderr
-        assert len(json.loads(gen.stdout)["token_ids"]) == 3
-        # the cache manager sits on the head node, and its index matches replicas on all three
-        check = kvserve("cache", "check")
-        assert check.returncode == 0 and "matches every replica" in check.stdout, check.stderr
-        # asked by a driver of its own: connecting this process would leave the cluster's auth
-        # settings in its environment, and the shared test cluster started later would fail
-        where = subprocess.run([sys.executable, "-c", WHERE_IS_THE_MANAGER, state.address],
-                               capture_output=True, text=True, timeout=120,
-                               env=env | (state.env or {}))
-        assert where.returncode == 0, where.stderr[-3000:]
-        head, manager_node = where.stdout.split()
-        assert manager_node == head and head in nodes
+    assert gen.returncode == 0, gen.stderr
+    assert len(json.loads(gen.stdout)["token_ids"]) == 3
+    # the cache manager sits on the head node, and its index matches replicas on all three
+    check = sim.cache_check()
+    assert check.returncode == 0 and "matches every replica" in check.stdout, check.stderr
+    where = subprocess.run([sys.executable, "-c", WHERE_IS_THE_MANAGER, state.address],
+                           capture_output=True, text=True, timeout=120,
+                           env=sim.env | (state.env or {}))
+    assert where.returncode == 0, where.stderr[-3000:]
+    head, manager_node = where.stdout.split()
+    assert manager_node == head and head in nodes
 
-        down = kvserve("down")
-        assert down.returncode == 0, down.stderr
-        deadline = time.monotonic() + 10
-        pids = [state.head_pid, *state.node_pids]
-        while any(local_head._session_pids(p) for p in pids) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not any(local_head._session_pids(p) for p in pids), "Ray processes left behind"
-        assert local_head.read_state() is None
+
+def test_multi_turn_chats_stay_on_their_historys_replica_across_nodes(sim: SimCluster):
+    """The single-node routing test's bar (tests/test_serve_cache.py), with the replicas on
+    three nodes and the router in the head's proxy reaching the manager across raylets: every
+    later turn finds its history cached, and turns 2-5 hit > 90% of their prompt tokens.
+    (Its negative control, routing off, is that test's.)"""
+    chats = conversations(sim)
+    later = [(i, turn, usage) for i, usages in enumerate(chats)
+             for turn, usage in enumerate(usages[1:], start=2)]
+    missed = [(i, turn) for i, turn, u in later if not u.cached_tokens > 0.8 * u.prompt_tokens]
+    rate = sum(u.cached_tokens for *_, u in later) / sum(u.prompt_tokens for *_, u in later)
+    assert missed == [], missed
+    assert rate > HIT_RATE, rate
+    busy = [r for r in sim.running() if r["kv_cached_blocks"]]
+    assert len({r["node_id"] for r in busy}) >= 2, busy  # the chats spread over nodes
+    check = sim.cache_check()
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+class _Streams:
+    """Long greedy streams, each in a thread, each recording how it ended."""
+
+    def __init__(self, sim: SimCluster, count: int) -> None:
+        self.calls, self.tokens = [], [0] * count
+        self.ended: list[tuple[str, float] | None] = [None] * count
+        self.details: list[str | None] = [None] * count
+        self.threads = []
+        for i in range(count):
+            request = pb.GenerateRequest(
+                prompt=f"Story {i}: tell me a very long story about the sea.",
+                params=pb.SamplingParams(max_tokens=2000, ignore_eos=True, temperature=0))
+            call = sim.stub.Generate(request, metadata=sim.metadata, timeout=240)
+            self.calls.append(call)
+            self.threads.append(threading.Thread(target=self._read, args=(i,), daemon=True))
+            self.threads[-1].start()
+
+    def _read(self, i: int) -> None:
+        try:
+            for msg in self.calls[i]:
+                self.tokens[i] += len(msg.token_ids)
+            self.ended[i] = ("OK", time.monotonic())
+        except grpc.RpcError as exc:
+            self.details[i] = exc.details()
+            self.ended[i] = (exc.code().name, time.monotonic())
+
+    def cancel(self) -> None:
+        for call in self.calls:
+            call.cancel()
+        for t in self.threads:
+            t.join(30)
+
+
+def _node_of(pid: int, node_pids: list[int]) -> int | None:
+    """The worker node (its `ray start --block` pid) whose session holds process `pid`."""
+    with contextlib.suppress(ProcessLookupError):
+        sid = os.getsid(pid)
+        return sid if sid in node_pids else None
+    return None
+
+
+def _kill_node(node_pid: int) -> None:
+    """The node disappears: SIGKILL its raylet first, then every other process of its session
+    (the GCS, dashboard and Serve controller live on the head, untouched)."""
+    pids = local_head._session_pids(node_pid)
+    raylets = [p for p in pids if "raylet" in Path(f"/proc/{p}/comm").read_text()]
+    assert raylets, "no raylet in the node's session"
+    for pid in raylets + [p for p in pids if p not in raylets]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_a_worker_node_killed_mid_stream(sim: SimCluster):
+    """Item 3 of #21. Streams on the dead node's replica end UNAVAILABLE; the others go on;
+    its index entries vanish within the lease; new requests succeed; no block leaks. The
+    replacement cannot be placed while the node is down (each surviving node's one GPU is
+    taken: Ray's GPU accounting holds), and lands on the node once it rejoins."""
+    state = sim.state
+    expected = sim.greedy("The capital of France is")
+    streams = _Streams(sim, 4)
+    try:
+        rows = []
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # every stream admitted, one on a worker node
+            rows = sim.running()
+            on_workers = [r for r in rows if r["running"] and _node_of(r["pid"], state.node_pids)]
+            if sum(r["running"] or 0 for r in rows) == 4 and on_workers and min(streams.tokens):
+                break
+        else:
+            raise AssertionError(f"the streams were not all admitted: {rows}")
+        victim = on_workers[0]
+        node_pid = _node_of(victim["pid"], state.node_pids)
+        _kill_node(node_pid)
+        killed_at = time.monotonic()
+
+        # the victim's streams end UNAVAILABLE, promptly; the other streams go on
+        for _ in range(600):
+            if sum(e is not None for e in streams.ended) >= victim["running"]:
+                break
+            time.sleep(0.1)
+        ended = [e for e in streams.ended if e is not None]
+        assert len(ended) == victim["running"], (streams.ended, victim)
+        assert {code for code, _ in ended} == {"UNAVAILABLE"}, (ended, streams.details)
+        assert max(t for _, t in ended) - killed_at < 30
+        going = list(streams.tokens)
+        time.sleep(1.0)
+        assert sum(e is None for e in streams.ended) == 4 - victim["running"]
+        assert all(streams.tokens[i] > going[i] for i in range(4) if streams.ended[i] is None)
     finally:
-        leftover = local_head.read_state()
-        if leftover is not None and leftover.started_head and leftover.head_pid:
-            local_head.stop_head(leftover.head_pid, leftover.temp_dir,
-                                 node_pids=leftover.node_pids)
+        streams.cancel()
+
+    # new requests succeed on the surviving replicas
+    assert [sim.greedy("The capital of France is") for _ in range(3)] == [expected] * 3
+    # within the lease the dead replica's index entries are gone: Redis matches the survivors
+    for _ in range(20):
+        check = sim.cache_check()
+        if check.returncode == 0:
+            break
+        time.sleep(1)
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert time.monotonic() - killed_at < LEASE_TTL_S + 40
+    # no block leaked on the survivors; the replacement waits for a GPU
+    survivors = sim.running()
+    assert len(survivors) == 2 and victim["replica_id"] not in {r["replica_id"]
+                                                                for r in survivors}
+    assert all(r["running"] == 0 and r["kv_cache_usage"] == 0 for r in survivors), survivors
+    report = sim.status()
+    waiting = [r for r in report["replicas"] if r["state"] != "RUNNING"]
+    assert len(waiting) == 1 and waiting[0]["replica_id"] != victim["replica_id"], report
+
+    # the node rejoins (the same command, new raylet); the replacement lands on it
+    cpus = local_head.LocalNodes(NODES, 1).cpus_per_node(3.0)
+    [pid] = local_head.start_worker_nodes(state, 1, cpus, num_gpus=1)
+    state.node_pids = [p for p in state.node_pids if p != node_pid] + [pid]
+    local_head.write_state(state)  # `kvserve down` stops it too
+    deadline = time.monotonic() + 120
+    while len(rows := sim.running()) < 3 and time.monotonic() < deadline:
+        time.sleep(1)
+    assert len(rows) == 3 and len({r["node_id"] for r in rows}) == 3, rows
+    assert _node_of(next(r["pid"] for r in rows if r["node_id"] not in
+                         {s["node_id"] for s in survivors}), [pid]) == pid
+    assert sim.greedy("The capital of France is") == expected
+    check = sim.cache_check()
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+AUTOSCALING = """\
+autoscaling:
+  min_replicas: 1
+  max_replicas: 3
+  target_ongoing_requests: 1
+  upscale_delay_s: 2
+  downscale_delay_s: 4
+  look_back_period_s: 3
+  metrics_interval_s: 0.5
+num_gpus_per_replica: 1
+kv_cache_memory: 64MiB
+max_num_seqs: 4
+"""
+
+
+def _settled_on_one_replica(sim: SimCluster, timeout_s: float = 120) -> dict:
+    """The status once Serve lists exactly one replica, RUNNING (the rollover is over)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        report = sim.status()
+        if [r["state"] for r in report["replicas"]] == ["RUNNING"] or \
+                time.monotonic() > deadline:
+            return report
+        time.sleep(1)
+
+
+def test_the_cpu_serve_yaml_deploys_onto_the_cluster_unchanged(sim: SimCluster):
+    """Item 5 of #21: infra/serve/cpu.yaml's application, as it is (its model null: the
+    default), rolled onto the running cluster by `kvserve deploy`; its ports and proxy options
+    are the running Serve instance's. (gpu.yaml wants CUDA, 4 CPUs per replica and a 16 GiB
+    host tier: tests/test_infra.py validates it and builds its app; it is not run here.)"""
+    deploy = sim.kvserve("deploy", "--config", str(INFRA_CPU_YAML))
+    assert deploy.returncode == 0, deploy.stdout + deploy.stderr
+    assert "with 1 replica(s)" in deploy.stdout
+    report = _settled_on_one_replica(sim)
+    assert [r["state"] for r in report["replicas"]] == ["RUNNING"], report
+    assert report["replicas"][0]["gpu_ids"] == [], report  # cpu.yaml asks for no GPU
+    assert len(sim.greedy("The capital of France is")) == 6
+
+
+def test_autoscaling_follows_a_load_ramp_across_nodes_and_back(sim: SimCluster,
+                                                               tmp_path: Path):
+    """Item 4 of #21: `kvserve deploy` with autoscaling 1-3; a `kvserve loadtest` ramp drives
+    the replica count up (onto other nodes: one GPU each) and it returns to 1 after the load.
+    The load test's summary records the replica count over time and plots it."""
+    config = tmp_path / "autoscaling.yaml"
+    config.write_text(AUTOSCALING)
+    deploy = sim.kvserve("deploy", "--config", str(config))
+    assert deploy.returncode == 0, deploy.stdout + deploy.stderr
+    assert "1-3 replicas (autoscaling)" in deploy.stdout
+    report = _settled_on_one_replica(sim)
+    assert report["replicas"][0]["gpu_ids"] == ["0"], report
+
+    out = tmp_path / "load"
+    load = sim.kvserve("loadtest", "--target", f"127.0.0.1:{sim.port}", "--users", "12",
+                       "--shape", "ramp", "--run-time", "30s", "--workload", "short",
+                       "--out", str(out), "--json", timeout=200)
+    assert load.returncode == 0, load.stdout[-2000:] + load.stderr[-3000:]
+    summary = json.loads(load.stdout)
+    print("replicas over time:", summary["replicas_over_time"])
+    print("users, failures over time:", summary["load_over_time"])
+    counts = [n for _, n in summary["replicas_over_time"]]
+    assert counts and counts[0] == 1 and max(counts) >= 2, summary["replicas_over_time"]
+    assert summary["load_over_time"] and (out / "load.png").stat().st_size > 10_000
+    assert summary["streams"] > 0
+
+    deadline = time.monotonic() + 90
+    while len(rows := sim.running()) > 1 and time.monotonic() < deadline:
+        time.sleep(2)
+    report = sim.status()
+    assert len(rows) == 1 and len(report["replicas"]) == 1, report
+
+
+def test_down_stops_every_node_the_rejoined_one_included(sim: SimCluster):
+    state = local_head.read_state()
+    assert state is not None and len(state.node_pids) == NODES - 1
+    down = sim.kvserve("down")
+    assert down.returncode == 0, down.stderr
+    pids = [state.head_pid, *state.node_pids]
+    deadline = time.monotonic() + 10
+    while any(local_head._session_pids(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(local_head._session_pids(p) for p in pids), "Ray processes left behind"
+    assert local_head.read_state() is None

@@ -279,14 +279,20 @@ def test_the_grpc_proxy_builds_handlers_through_the_factory_kvserve_wraps():
 
 
 def test_ray_reports_a_dead_replica_in_the_words_kvserve_matches():
+    """A replica's process died (ActorDiedError), or its node did (ActorUnavailableError: the
+    connection closed; tests/test_multinode.py kills a node)."""
     import grpc
-    from ray.exceptions import ActorDiedError
+    from ray.exceptions import ActorDiedError, ActorUnavailableError
     from ray.serve._private.grpc_util import get_grpc_response_status
 
-    died = get_grpc_response_status(ActorDiedError(), None, "r1")
-    if not ray_compat.is_replica_death(died.code, died.message):
-        pytest.fail(missing(f"an ActorDiedError reported as INTERNAL with one of "
-                            f"{ray_compat.REPLICA_DIED_WORDS}", f"got {died.code}: {died.message}"))
+    node_died = ActorUnavailableError("The actor is temporarily unavailable: RpcError: RPC "
+                                      "error: Socket closed rpc_code: 14", b"\x01" * 16)
+    for error in (ActorDiedError(), node_died):
+        died = get_grpc_response_status(error, None, "r1")
+        if not ray_compat.is_replica_death(died.code, died.message):
+            pytest.fail(missing(f"an {type(error).__name__} reported as INTERNAL with one of "
+                                f"{ray_compat.REPLICA_DIED_WORDS}",
+                                f"got {died.code}: {died.message}"))
     bug = get_grpc_response_status(RuntimeError("boom"), None, "r2")
     assert bug.code == grpc.StatusCode.INTERNAL and not ray_compat.is_replica_death(
         bug.code, bug.message)  # negative control: an ordinary error stays INTERNAL

@@ -14,6 +14,7 @@ several user counts it runs one load per count (the baseline sweep, `loadtest_re
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 import os
 import re
@@ -66,6 +67,10 @@ class LoadtestSummary:
     # gRPC status -> {"p50", "p99", "max"} ms from request to the error: how fast refusals come
     failure_latency_ms: dict[str, dict[str, float]] = field(default_factory=dict)
     replica_memory: list[dict] = field(default_factory=list)  # memory_watch.ReplicaMemory dicts
+    # [t_s, replicas serving] every 2 s, given the cluster (autoscaling, replacements)
+    replicas_over_time: list[list[float]] = field(default_factory=list)
+    # [t_s, users, refusals and other failures so far], one per Locust history row
+    load_over_time: list[list[float]] = field(default_factory=list)
     files: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -126,16 +131,70 @@ def summarize(cfg: LoadtestConfig, totals: dict, elapsed_s: float) -> LoadtestSu
 
 def run_load(cfg: LoadtestConfig,
              read_rss: Callable[[], dict[str, int]] | None = None) -> LoadtestSummary:
-    """One load; with `read_rss` (replica id -> RSS bytes) the replicas' memory is watched."""
+    """One load; with `read_rss` (replica id -> RSS bytes) the replicas' memory and their
+    number are watched. The load over time (users, failures, replicas) is plotted in load.png."""
     watch = MemoryWatch(read_rss) if read_rss else nullcontext()
+    started_at = time.time()
     with watch:
         summary = run_locust(cfg)
     if read_rss:
+        started_at = watch.started_at
         warmup = min(cfg.warmup_s, cfg.run_time_s / 4)
         summary.replica_memory = [m.to_dict() for m in memory_report(watch.samples, warmup)]
+        summary.replicas_over_time = [[round(t, 1), n] for t, n in watch.replica_counts]
         summary.files.append(str(write_csv(watch.samples, cfg.out / "memory.csv")))
         summary.files.append(str(plot_memory(watch.samples, warmup, cfg.out / "memory.png")))
+    summary.load_over_time = load_history(cfg.out / "locust_stats_history.csv", started_at)
+    if summary.load_over_time:
+        summary.files.append(str(plot_load(summary, cfg.out / "load.png")))
     return summary
+
+
+def load_history(path: Path, started_at: float) -> list[list[float]]:
+    """[t_s, users, failures so far] from Locust's history (its "Aggregated" rows, one per
+    second), t_s counted from `started_at` (wall clock) as the replica series is."""
+    series = []
+    for row in _read_csv(path):
+        if row.get("Name") != "Aggregated" or (stamp := _number(row.get("Timestamp"))) is None:
+            continue
+        series.append([round(stamp - started_at, 1), int(_number(row.get("User Count")) or 0),
+                       int(_number(row.get("Total Failure Count")) or 0)])
+    return series
+
+
+def plot_load(summary: LoadtestSummary, path: Path) -> Path:
+    """Users, failures per second and (given the cluster) replicas over the load: does
+    autoscaling follow the load, and do refusals fall as replicas come up?"""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    load = summary.load_over_time
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.plot([t for t, *_ in load], [u for _, u, _ in load], color="tab:blue", label="users")
+    rates = [(t1, (f1 - f0) / (t1 - t0)) for (t0, _, f0), (t1, _, f1) in itertools.pairwise(load)
+             if t1 > t0]
+    ax.plot([t for t, _ in rates], [r for _, r in rates], color="tab:red", alpha=0.7,
+            label="failures/s (refusals)")
+    ax.set_xlabel("seconds into the load")
+    ax.set_ylabel("users, failures/s")
+    ax.grid(alpha=0.3)
+    lines = ax.get_legend_handles_labels()
+    if summary.replicas_over_time:
+        right = ax.twinx()
+        right.step([t for t, _ in summary.replicas_over_time],
+                   [n for _, n in summary.replicas_over_time], where="post", color="tab:green",
+                   label="replicas")
+        right.set_ylabel("replicas")
+        right.set_ylim(0, max(n for _, n in summary.replicas_over_time) + 1)
+        more = right.get_legend_handles_labels()
+        lines = (lines[0] + more[0], lines[1] + more[1])
+    ax.legend(*lines, fontsize=8, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def run_sweep(cfg: LoadtestConfig, user_counts: list[int],
@@ -208,5 +267,14 @@ def format_summary(s: LoadtestSummary) -> str:
         f"  ITL p50 / p99      {ms(s.itl_p50_ms)} / {ms(s.itl_p99_ms)}",
         f"  failures           {failures}",
         *memory,
+        *([f"  replicas           {_changes(s.replicas_over_time)}"]
+          if s.replicas_over_time else []),
         f"  reports            {Path(s.files[0]).parent}/ (locust_*.csv, report.html)",
     ])
+
+
+def _changes(series: list[list[float]]) -> str:
+    """The replica count as it changed: "1 -> 2 (at 34 s) -> 1 (at 95 s)"."""
+    steps = [series[0]] + [b for a, b in itertools.pairwise(series) if b[1] != a[1]]
+    return " -> ".join(f"{int(n)}" + (f" (at {t:.0f} s)" if i else "")
+                       for i, (t, n) in enumerate(steps))

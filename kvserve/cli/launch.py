@@ -1,5 +1,6 @@
 """`kvserve up`: start (or join) Ray, deploy the app behind Ray Serve's gRPC proxy; serve until
-Ctrl-C or SIGTERM and then shut down cleanly, or (`--detach`) return and leave it running."""
+Ctrl-C or SIGTERM and then shut down cleanly, or (`--detach`) return and leave it running.
+`kvserve deploy`: a new config for the running app."""
 
 from __future__ import annotations
 
@@ -134,6 +135,41 @@ def start(config: AppConfig, grpc_port: int, fate_share: bool,
         print(f"kvserve: Ray auth token (dashboard, drivers) in {state.env['RAY_AUTH_TOKEN_PATH']}",
               flush=True)
     return state
+
+
+def redeploy(config_path: str | None, overrides: dict[str, Any], address: str | None) -> int:
+    """`kvserve deploy`: the application on the running cluster gets this config (Serve rolls
+    its replicas over); the recorded state (nodes, ports) is kept, so `kvserve down` still stops
+    what `kvserve up` started. The config replaces the running one whole, as `serve deploy`'s
+    does: what it leaves out takes its default, API keys included."""
+    import sys
+
+    from ray import serve
+
+    from cluster.local_head import disconnect_driver
+    from kvserve.cli import status as status_cli
+
+    config = load_config(config_path, overrides)
+    try:
+        target, _ = status_cli.connect(address)
+    except status_cli.NothingRunning as exc:
+        print(f"kvserve: {exc}", file=sys.stderr)
+        return 1
+    try:
+        serve.run(build_app(config), name=APP_NAME, blocking=False)
+    except Exception as exc:  # noqa: BLE001 - Serve's own message, one line
+        print(f"kvserve: deployment failed: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        disconnect_driver()
+    scaling = (f"{config.autoscaling.min_replicas}-{config.autoscaling.max_replicas} replicas "
+               "(autoscaling)" if config.autoscaling else f"{config.replicas} replica(s)")
+    print(f"kvserve: deployed {config.model or DEFAULT_MODEL} with {scaling} on the Ray cluster "
+          f"at {target}", flush=True)
+    if config.api_keys_file is None and not os.environ.get("KVSERVE_API_KEYS"):
+        print("kvserve: WARNING: no API keys in this config: the service is open to anyone "
+              "who can reach its ports", file=sys.stderr, flush=True)
+    return 0
 
 
 def _deploy(config: AppConfig, state: Any, grpc_port: int, http_port: int) -> str | None:

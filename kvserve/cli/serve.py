@@ -1,5 +1,5 @@
-"""`kvserve up`, `down`, `status` and `cache check`: deploy on Ray Serve (launch.py), then
-inspect and stop the deployment (status.py)."""
+"""`kvserve up`, `deploy`, `down`, `status` and `cache check`: deploy on Ray Serve (launch.py),
+change the running deployment's config, then inspect and stop it (status.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 
 def add_serve_commands(sub) -> None:
     add_up(sub)
+    add_deploy(sub)
     add_down(sub)
     add_status(sub)
     add_cache(sub)
@@ -91,6 +92,34 @@ def _run_up(args: argparse.Namespace) -> int:
 
     return serve_until_interrupted(args.config, overrides, args.grpc_port, args.http_port,
                                    nodes)
+
+
+def add_deploy(sub) -> None:
+    p = sub.add_parser(
+        "deploy", help="apply a new config to the running deployment (as `serve deploy` does)",
+        description="Redeploy the kvserve application on the running cluster (the one `kvserve "
+                    "up --detach` started, or --address) with this config: replicas, "
+                    "autoscaling, the model, any engine setting. Ray Serve rolls the replicas "
+                    "over; the cluster, its nodes and the gRPC and HTTP ports stay as they are, "
+                    "and `kvserve down` still stops what `kvserve up` started. The config "
+                    "replaces the running one whole: what it leaves out takes its default, API "
+                    "keys included (--config with api_keys_file keeps them).")
+    p.add_argument("--config", default=None,
+                   help="YAML of AppConfig fields, or a Serve config like infra/serve/cpu.yaml")
+    p.add_argument("--replicas", type=int, default=None, help="replicas (default 1)")
+    p.add_argument("--num-gpus-per-replica", type=float, default=None,
+                   help="GPUs per replica (default 0; 1 on GPU nodes)")
+    p.add_argument("--address", default=None, help=_ADDRESS_HELP)
+    add_engine_args(p, "serve", overrides=True)
+    p.set_defaults(run=_run_deploy)
+
+
+def _run_deploy(args: argparse.Namespace) -> int:
+    from kvserve.cli.launch import redeploy
+
+    overrides = engine_kwargs(args) | {"replicas": args.replicas,
+                                       "num_gpus_per_replica": args.num_gpus_per_replica}
+    return redeploy(args.config, overrides, args.address)
 
 
 def keys_file_for(keys: list[str] | None, keys_file: str | None) -> str | None:
