@@ -79,8 +79,8 @@ class ServiceMetrics:
         self.success = Counter(METRIC_NAMES[8], "Finished requests by reason.",
                                ("model", "finished_reason"))
         self.step_phase_seconds = Counter(
-            METRIC_NAMES[9], "Seconds the engine's steps spent in each phase (schedule, copy, "
-            "prepare, forward, sample, detokenize).", ("model", "phase"))
+            METRIC_NAMES[9], "Seconds the engine's steps spent in each phase (propose, schedule, "
+            "copy, prepare, forward, sample, detokenize).", ("model", "phase"))
         self.steps = Counter(METRIC_NAMES[10], "Engine steps that computed something.", tags)
         self.spec_drafts = Counter(METRIC_NAMES[11], "Speculative drafts verified (one per "
                                    "request per step that had drafts).", tags)

@@ -329,6 +329,15 @@ def test_opt_out_usage_batch_size_limit_and_the_timeline(make):
     decodes = [e for e in outs["on"][-1].timeline.events if e.kind == "decode"]
     assert any(e.num_tokens > 1 for e in decodes)
     assert sum(e.num_tokens for e in decodes) - len(decodes) == on.draft_tokens
+    # the draft model's passes are the steps' own phase, "propose", not part of "schedule"
+    steps = spec.recent_steps()
+    plain = make()
+    plain.generate_all([{"prompt_token_ids": prompt, "params": {"temperature": 0.0}}])
+    proposing = sum(r.propose_s for r in steps) / sum(r.seconds for r in steps)
+    idle = sum(r.propose_s for r in plain.recent_steps()) / sum(
+        r.seconds for r in plain.recent_steps())
+    assert proposing > 0.2 and idle < 0.02, (proposing, idle)  # 3 draft passes per step
+    assert sum(r.schedule_s for r in steps) < sum(r.propose_s for r in steps)
 
     limited = make(**DRAFT, num_speculative_tokens=3, speculative_disable_by_batch_size=1)
     both = limited.generate_all([{"prompt_token_ids": prompt, "params": {"temperature": 0.0}}

@@ -31,7 +31,8 @@ def test_every_step_is_reported_with_its_batch_and_phases_until_unsubscribed(mak
     assert sum(r.num_tokens for r in records) == (12 + 3) + (3 - 1) + (2 - 1)
     assert {rid for r in records for rid in r.request_ids} == {a, b}
     for r in records:
-        phases = (r.schedule_s, r.copy_s, r.prepare_s, r.forward_s, r.sample_s, r.detokenize_s)
+        phases = (r.propose_s, r.schedule_s, r.copy_s, r.prepare_s, r.forward_s, r.sample_s,
+                  r.detokenize_s)
         assert all(p >= 0 for p in phases) and r.forward_s > 0
         assert r.seconds == pytest.approx(sum(phases))
     assert records == sorted(records, key=lambda r: r.start)

@@ -399,6 +399,7 @@ class LLMEngine:
         budget = self.prefill_rate.token_budget(self.scheduler.num_decoding(),
                                                 self.config.itl_target_ms)
         self._propose_drafts()
+        propose_s = clock.lap()
         scheduled = self.scheduler.schedule(budget)
         recording = self.history.enabled or bool(self._step_observers)
         # the batch as scheduled (the update below moves every chunk's start)
@@ -433,7 +434,7 @@ class LLMEngine:
             if v.num_drafts:
                 self.spec_stats.observe(v.num_drafts, v.num_accepted)
                 seq.spec_len = _next_spec_len(v, self.config.num_speculative_tokens)
-        phases = (schedule_s, copy_s, prepare_s, forward_s, sample_s, clock.lap())
+        phases = (propose_s, schedule_s, copy_s, prepare_s, forward_s, sample_s, clock.lap())
         for i, seconds in enumerate(phases):
             self._phase_seconds[i] += seconds
         if recording:
@@ -513,7 +514,7 @@ class LLMEngine:
     def _record_step(
         self, clock: _PhaseClock, scheduled: SchedulerOutput, chunks: tuple[ChunkRecord, ...],
         finished: list[tuple[Sequence, FinishReason]],
-        phases: tuple[float, float, float, float, float, float],
+        phases: tuple[float, ...],  # seconds of each of PHASES
     ) -> StepRecord:
         """The step's record, and each of its requests' timeline events (before the outputs
         are built: a finished request's last output carries its whole timeline)."""

@@ -562,7 +562,7 @@ def step_breakdown(engine: Any, requests: int, prompt_len: int, steps: int = 5) 
         stop()
         for rid in ids:
             engine.abort(rid)
-    timings = {"schedule": sum(r.schedule_s + r.copy_s for r in records),
+    timings = {"schedule": sum(r.propose_s + r.schedule_s + r.copy_s for r in records),
                "prepare": sum(r.prepare_s for r in records),
                "forward": sum(r.forward_s for r in records),
                "rest": sum(r.sample_s for r in records)}

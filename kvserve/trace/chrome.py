@@ -1,8 +1,8 @@
 """Steps and request timelines as a Chrome Trace Event Format file (Perfetto, chrome://tracing).
 
 One process per engine (a replica, or the in-process engine). In it:
-- the "engine steps" track: one slice per step, its phases nested inside (schedule, copy,
-  prepare, forward, sample, detokenize), the batch in its args;
+- the "engine steps" track: one slice per step, its phases nested inside (propose,
+  schedule, copy, prepare, forward, sample, detokenize), the batch in its args;
 - one track per request: "queued" from arrival to admission, a slice per prefill chunk
   ("prefill 0:512") and per decode, "preempted" until it resumes; instants for admission,
   preemption, swaps, the first token and the finish;

@@ -24,7 +24,7 @@ from collections.abc import Container, Iterable, Mapping
 from dataclasses import dataclass, field, fields
 
 # a step's phases, in order (StepRecord's `<phase>_s` fields)
-PHASES = ("schedule", "copy", "prepare", "forward", "sample", "detokenize")
+PHASES = ("propose", "schedule", "copy", "prepare", "forward", "sample", "detokenize")
 
 
 @dataclass(frozen=True)
@@ -98,6 +98,7 @@ class StepRecord:
     index: int  # steps run by this engine before this one
     start: float  # time.perf_counter() when the step began
     chunks: tuple[ChunkRecord, ...]  # the batch, in schedule order
+    propose_s: float  # speculative decoding's drafts (a draft model's passes); 0 without it
     schedule_s: float
     copy_s: float  # KV swaps, demotions and restores between device and host
     prepare_s: float  # the step's tensors, one host->device copy
@@ -116,7 +117,7 @@ class StepRecord:
 
     @property
     def seconds(self) -> float:
-        return (self.schedule_s + self.copy_s + self.prepare_s + self.forward_s
+        return (self.propose_s + self.schedule_s + self.copy_s + self.prepare_s + self.forward_s
                 + self.sample_s + self.detokenize_s)
 
     @property
