@@ -22,6 +22,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import torch
 from ray import serve
 from ray.serve.grpc_util import RayServegRPCContext
 
@@ -32,15 +33,16 @@ from cluster import key_rings, ray_compat, tenant_limits
 from cluster.auth import OPEN_GATE, Gate, Tenant, load_key_ring
 from cluster.convert import status_code
 from cluster.kv_reporter import KVReporter
+from cluster.local_head import LOGICAL_GPUS_ENV
 from cluster.metrics import ServiceMetrics
 from cluster.openai.http import build_openai_app
 from cluster.openai.serving import OpenAIServing
-from cluster.replica_status import StatusPublisher
+from cluster.replica_status import StatusPublisher, placement
 from cluster.service import GenerationService
 from cluster.tracing import RequestTracer, trace_context
 from kvserve.v1 import generation_pb2 as pb
 from workers.async_engine import AsyncLLMEngine, WarmUp
-from workers.config import EngineConfig
+from workers.config import EngineConfig, parse_size
 from workers.core.outputs import RequestOutput
 from workers.engine import LLMEngine
 
@@ -61,6 +63,9 @@ class GenerationDeployment:
         otlp_traces_endpoint: str | None = None,
     ) -> None:
         """Async so that the warm-up runs on the engine's own step loop, as requests do."""
+        engine_config, self.substituted = on_logical_gpus(
+            engine_config, placement()[1], torch.cuda.is_available(),
+            os.environ.get(LOGICAL_GPUS_ENV) == "1")
         self.engine = LLMEngine(EngineConfig(**engine_config))
         self.async_engine = AsyncLLMEngine(self.engine)
         # before anything reports on the engine: metrics and the cache manager never see it
@@ -78,7 +83,8 @@ class GenerationDeployment:
                                     tracer=self.tracer)
         self.status_publisher = StatusPublisher(self.engine.load,
                                                 device=self.engine.info.device).start()
-        _say_if_a_gpu_is_only_logical(self.status_publisher.gpu_ids, self.engine.info.device)
+        _say_if_a_gpu_is_only_logical(self.status_publisher.gpu_ids, self.engine.info.device,
+                                      self.substituted)
         self.kv_reporter = _start_kv_reporter(self.engine, self.status_publisher.replica_id,
                                               cache_manager_config or {})
         self.open_streams = 0
@@ -263,14 +269,43 @@ async def _warm_up(engine: AsyncLLMEngine) -> WarmUp:
     return result
 
 
-def _say_if_a_gpu_is_only_logical(gpu_ids: list[str], device: str) -> None:
+# the host KV tier a GPU config gets on a logical GPU: its own size (16 GiB in gpu.yaml) is
+# meant for a GPU node's RAM, and on the CPU the tier is allocated (zeroed) at start
+LOGICAL_GPU_HOST_TIER = 512 * 1024**2
+
+
+def on_logical_gpus(config: dict[str, Any], gpu_ids: list[Any], cuda: bool,
+                    logical: bool) -> tuple[dict[str, Any], dict[str, tuple[Any, Any]]]:
+    """The engine config a replica runs, and what was changed (setting -> (asked, used)).
+
+    A GPU config (infra/serve/gpu.yaml: device cuda, flash-attn, a 16 GiB host tier) on a node
+    whose GPUs kvserve declared itself (`kvserve up --gpus-per-node`, LOGICAL_GPUS_ENV) and
+    where CUDA is absent runs on the CPU: a multi-node GPU deployment, simulated on one
+    machine, with everything above the device as on GPUs. Anywhere else a config asking for
+    CUDA without it fails at start, loudly, as it should on a real GPU node."""
+    if not (gpu_ids and logical and not cuda):
+        return config, {}
+    used = dict(config)
+    if str(config.get("device", "auto")).startswith("cuda"):
+        used["device"] = "cpu"
+    if config.get("attention_backend") == "flash_attn":
+        used["attention_backend"] = "auto"
+    if parse_size(config.get("cpu_offload_memory") or 0) > LOGICAL_GPU_HOST_TIER:
+        used["cpu_offload_memory"] = LOGICAL_GPU_HOST_TIER
+    return used, {k: (config[k], used[k]) for k in used if used[k] != config.get(k)}
+
+
+def _say_if_a_gpu_is_only_logical(gpu_ids: list[str], device: str,
+                                  substituted: dict[str, tuple[Any, Any]]) -> None:
     """Ray gave this replica a GPU (num_gpus_per_replica) that has no CUDA device behind it:
     a simulated node (`kvserve up --local-nodes N --gpus-per-node G`) or a broken driver. Say
-    so once, in the replica's log; the engine runs on the CPU."""
+    so once, in the replica's log, with what a GPU config had to give up (on_logical_gpus);
+    the engine runs on the CPU."""
     if gpu_ids and not device.startswith("cuda"):
+        changes = "".join(f"; {k} {asked} -> {used}" for k, (asked, used) in substituted.items())
         logger.warning("kvserve: Ray assigned GPU %s to this replica, but no CUDA device is "
-                       "visible: a logical GPU only; the engine runs on %s",
-                       ",".join(gpu_ids), device)
+                       "visible: a logical GPU only; the engine runs on %s%s",
+                       ",".join(gpu_ids), device, changes)
 
 
 def _start_kv_reporter(engine: LLMEngine, replica_id: str, config: dict) -> KVReporter:

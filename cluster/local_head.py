@@ -36,11 +36,14 @@ from pathlib import Path
 from typing import Any
 
 from cluster.http_ingress import PROXY_CALLBACK, PROXY_CALLBACK_ENV
-from cluster.ray_compat import reload_auth_config, sigterm_handler_kept
+from cluster.ray_compat import NO_WORKER_PRESTART_ENV, reload_auth_config, sigterm_handler_kept
 from kvserve.process import cmdline, die_with_parent, pid_alive
 from workers.config import cache_root
 
 STATE_FILE = "up.json"
+# "1" on the nodes kvserve starts with GPUs it declared (`--gpus-per-node`): where CUDA is absent
+# they are logical, and a replica there runs a GPU config on the CPU (cluster/deployment.py)
+LOGICAL_GPUS_ENV = "KVSERVE_LOGICAL_GPUS"
 TOKEN_FILE = "auth_token"  # in the head's temp dir, mode 0600
 TEMP_PREFIX = "kvserve-ray-"  # the head's temp dir: short, Ray puts unix sockets there
 
@@ -169,10 +172,14 @@ class LocalNodes:
 
     count: int = 1
     gpus_per_node: int = 0
+    cpus: int | None = None  # CPUs each node declares (logical too); None: as below
 
     def cpus_per_node(self, cpus_needed: float) -> int:
-        """The head alone gets the machine (or what the replicas need); with several nodes,
-        each gets its share of the machine's CPUs, or of what the replicas need."""
+        """`cpus` if given; else the head alone gets the machine (or what the replicas need);
+        with several nodes, each gets its share of the machine's CPUs, or of what the replicas
+        need."""
+        if self.cpus is not None:
+            return self.cpus
         if self.count == 1:
             return num_cpus_for(cpus_needed)
         return max(1, (os.cpu_count() or 1) // self.count, math.ceil(cpus_needed / self.count))
@@ -200,6 +207,9 @@ def start_head(num_cpus: int, timeout: float = 120, fate_share: bool = False,
     # a one-node head has nowhere to drain replicas to: stop at once on SIGTERM
     env = os.environ | auth_env(temp_dir) | {"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
                                               PROXY_CALLBACK_ENV: PROXY_CALLBACK}
+    if num_gpus:
+        env[LOGICAL_GPUS_ENV] = "1"
+    env |= NO_WORKER_PRESTART_ENV  # kvserve runs actors, whose workers start on demand anyway
     for name in ("RAY_ADDRESS", "RAY_AUTH_TOKEN"):
         env.pop(name, None)
     log = open(Path(temp_dir) / "ray-start.log", "w")  # noqa: SIM115 - handed to the child
@@ -236,6 +246,9 @@ def start_worker_nodes(state: UpState, count: int, num_cpus: int, num_gpus: int 
     env = os.environ | auth_env(state.temp_dir) | {PROXY_CALLBACK_ENV: PROXY_CALLBACK}
     for name in ("RAY_ADDRESS", "RAY_AUTH_TOKEN"):
         env.pop(name, None)
+    if num_gpus:
+        env[LOGICAL_GPUS_ENV] = "1"
+    env |= NO_WORKER_PRESTART_ENV  # more CPUs declared than the machine has
     pids: list[int] = []
     deadline = time.monotonic() + timeout
     try:

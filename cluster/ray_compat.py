@@ -128,6 +128,16 @@ def reload_auth_config() -> None:
     AuthenticationTokenLoader.instance().reset_cache()
 
 
+# -- nodes kvserve starts on one machine (cluster/local_head.py) -------------------------------
+# Why: a raylet starts one idle Python worker per CPU it declares as soon as a driver connects,
+# so that tasks start fast. Simulated nodes (`kvserve up --local-nodes 3 --cpus-per-node 4`)
+# declare more CPUs than the machine has, and a dozen workers importing Ray at once held up the
+# replicas' start on 2 cores. Ray's system config, read from RAY_<name> at raylet start; no
+# public option. Actors (replicas, the cache manager) start their own workers regardless.
+NO_WORKER_PRESTART_ENV = {"RAY_prestart_worker_first_driver": "0",
+                          "RAY_enable_worker_prestart": "0"}
+
+
 # -- the cluster `ray start` recorded, and Serve's details ------------------------------------
 def recorded_cluster_address(temp_dir: str | None = None) -> str | None:
     """The GCS address of the cluster `ray start` last recorded on this machine

@@ -138,3 +138,27 @@ def test_local_nodes_share_the_machines_cpus_or_what_the_replicas_need(monkeypat
     assert local_head.LocalNodes(2).cpus_per_node(1) == 1  # its share
     assert local_head.LocalNodes(3).cpus_per_node(3) == 1  # at least one each
     assert local_head.LocalNodes(3).cpus_per_node(6) == 2  # or what the replicas need
+
+
+def test_a_gpu_config_runs_on_the_cpu_only_on_kvserves_logical_gpus():
+    """infra/serve/gpu.yaml on a simulated node: device cuda, flash-attn and a 16 GiB host tier
+    become the CPU, the CPU kernels and 512 MiB, and the replica is told what changed. Negative
+    controls: a real GPU, no GPU assigned, or GPUs kvserve did not declare (a node with a
+    broken driver) leave the config alone, and the engine then fails loudly on CUDA."""
+    from cluster.deployment import LOGICAL_GPU_HOST_TIER, on_logical_gpus
+
+    gpu = {"device": "cuda", "attention_backend": "flash_attn", "dtype": "bfloat16",
+           "cpu_offload_memory": "16GiB", "kv_cache_memory": None}
+    used, changed = on_logical_gpus(gpu, ["0"], cuda=False, logical=True)
+    assert used == gpu | {"device": "cpu", "attention_backend": "auto",
+                          "cpu_offload_memory": LOGICAL_GPU_HOST_TIER}
+    assert changed == {"device": ("cuda", "cpu"), "attention_backend": ("flash_attn", "auto"),
+                       "cpu_offload_memory": ("16GiB", LOGICAL_GPU_HOST_TIER)}
+    for gpu_ids, cuda, logical in ((["0"], True, True), ([], False, True), (["0"], False, False)):
+        assert on_logical_gpus(gpu, gpu_ids, cuda, logical) == (gpu, {})
+    small = {"device": "auto", "cpu_offload_memory": "64MiB"}  # nothing to give up
+    assert on_logical_gpus(small, ["0"], cuda=False, logical=True) == (small, {})
+
+
+def test_nodes_can_declare_more_cpus_than_the_machine_has():
+    assert local_head.LocalNodes(3, 1, cpus=4).cpus_per_node(3) == 4

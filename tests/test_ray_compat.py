@@ -484,3 +484,19 @@ def test_the_scanner_passes_public_ray_and_kvserves_own_privates():
             return x._own_field, "ray.serve.request_router"
     """)
     assert ray_internal_uses(snippet) == []
+
+
+def test_the_worker_prestart_settings_are_ray_system_config():
+    """NO_WORKER_PRESTART_ENV names entries of Ray's system config (ray_config_def.h), which
+    the raylet reads from RAY_<name>; an unknown name would be ignored without a word."""
+    from pathlib import Path
+
+    import ray
+
+    [raylet] = Path(ray.__file__).parent.glob("_raylet*.so")
+    binary = raylet.read_bytes()
+    for name in ray_compat.NO_WORKER_PRESTART_ENV:
+        config = name.removeprefix("RAY_").encode()
+        if b"\0" + config + b"\0" not in binary:
+            pytest.fail(missing(f"the system config entry {config.decode()}"))
+    assert b"\0no_such_config_entry\0" not in binary  # negative control

@@ -46,6 +46,10 @@ def add_up(sub) -> None:
                    help="GPUs each started node declares; logical where the machine has none "
                         "(Ray schedules them alike; a replica then says so once and runs on "
                         "the CPU). Default 0")
+    p.add_argument("--cpus-per-node", type=int, default=None, metavar="C",
+                   help="CPUs each started node declares, logical beyond the machine's (e.g. "
+                        "4 to place a config's num_cpus_per_replica: 4). Default: each node's "
+                        "share of the machine, or of what the replicas need")
     p.add_argument("--redis-url", default=None,
                    help="Redis for the cache manager's index (default: $REDIS_URL, else an "
                         "embedded redis-server)")
@@ -81,9 +85,10 @@ def _run_up(args: argparse.Namespace) -> int:
 
     if already_up(local_head.read_live_state()):  # before the ~6 s of Ray and engine imports
         return 1
-    if args.local_nodes < 1 or args.gpus_per_node < 0:
-        raise SystemExit("kvserve: --local-nodes must be >= 1 and --gpus-per-node >= 0")
-    nodes = local_head.LocalNodes(args.local_nodes, args.gpus_per_node)
+    if args.local_nodes < 1 or args.gpus_per_node < 0 or (args.cpus_per_node or 1) < 1:
+        raise SystemExit("kvserve: --local-nodes and --cpus-per-node must be >= 1 and "
+                         "--gpus-per-node >= 0")
+    nodes = local_head.LocalNodes(args.local_nodes, args.gpus_per_node, args.cpus_per_node)
     if args.detach:
         from kvserve.cli.launch import deploy_detached
 
