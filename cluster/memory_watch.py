@@ -1,11 +1,10 @@
 """Replica resident memory and replica count over a load test, for soak and autoscaling runs.
 
 `MemoryWatch` samples every replica's published status row (`cluster.replica_status`, which
-carries the process's RSS) from a daemon thread while a load runs, and counts the replicas
-each time; `memory_report` turns the
-samples into start / after-warm-up / end per replica and the growth after warm-up, the number a
-soak test bounds (memory allocated while warming up, such as allocator pools and compiled
-kernels, is expected; growth after it is a leak).
+carries the process's RSS) from a daemon thread while a load runs, and counts the replicas each
+time; `memory_report` turns the samples into start / after-warm-up / end per replica and the
+growth after warm-up, the number a soak test bounds (memory allocated while warming up, such as
+allocator pools and compiled kernels, is expected; growth after it is a leak).
 """
 
 from __future__ import annotations

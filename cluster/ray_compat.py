@@ -131,8 +131,8 @@ def reload_auth_config() -> None:
 # -- nodes kvserve starts on one machine (cluster/local_head.py) -------------------------------
 # Why: a raylet starts one idle Python worker per CPU it declares as soon as a driver connects,
 # so that tasks start fast. Simulated nodes (`kvserve up --local-nodes 3 --cpus-per-node 4`)
-# declare more CPUs than the machine has, and a dozen workers importing Ray at once held up the
-# replicas' start on 2 cores. Ray's system config, read from RAY_<name> at raylet start; no
+# declare more CPUs than the machine has: a dozen idle workers, each importing Ray, on 2 cores,
+# beside the replicas starting. Ray's system config, read from RAY_<name> at raylet start; no
 # public option. Actors (replicas, the cache manager) start their own workers regardless.
 NO_WORKER_PRESTART_ENV = {"RAY_prestart_worker_first_driver": "0",
                           "RAY_enable_worker_prestart": "0"}

@@ -179,6 +179,9 @@ def _up_detach_status_generate_down(model_dir, tmp_path, monkeypatch, stack):
         assert "nothing deployed" in gone.stderr and "Traceback" not in gone.stderr
         again_down = kvserve("down")
         assert again_down.returncode == 1 and "nothing running" in again_down.stderr
+        bad = kvserve("deploy", "--replicas", "0")  # checked before anything else
+        assert bad.returncode == 2 and "replicas" in bad.stderr, bad.stderr
+        assert "Traceback" not in bad.stderr
         nowhere = kvserve("deploy", "--replicas", "2")  # nothing to apply it to: one line
         assert nowhere.returncode == 1 and nowhere.stderr.startswith("kvserve: "), nowhere.stderr
         assert "Traceback" not in nowhere.stderr

@@ -149,7 +149,11 @@ def redeploy(config_path: str | None, overrides: dict[str, Any], address: str | 
     from cluster.local_head import disconnect_driver
     from kvserve.cli import status as status_cli
 
-    config = load_config(config_path, overrides)
+    try:
+        config = load_config(config_path, overrides)
+    except ValueError as exc:  # pydantic's ValidationError names each field
+        print(f"kvserve: invalid config: {exc}", file=sys.stderr)
+        return 2
     try:
         target, _ = status_cli.connect(address)
     except status_cli.NothingRunning as exc:
