@@ -34,14 +34,19 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
 
+# Two pytest-xdist workers: one core computes while the other's Ray test waits on processes
+# starting, deploying and streaming (tests/conftest.py hands out whole modules). TEST_WORKERS=0
+# runs the suite in one process.
+TEST_WORKERS ?= 2
+
 test: lint  ## the whole suite: lint, import contracts, tests
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
 # Quick feedback: engine, scheduler, KV blocks, sampler, kernels, graders, ledgers on tiny
 # models; no Ray, no real-model serving. `slow` is every test that loads the real model or
 # starts Ray (marked in the test, or by tests/conftest.py from the fixtures it uses).
 test-fast: $(STAMP)  ## the fast subset (no Ray, no real model): a few minutes
-	$(BIN)/python -m pytest -m "not slow" -q
+	$(BIN)/python -m pytest -m "not slow" -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
 proto: $(STAMP)  ## regenerate kvserve/v1/ stubs from proto/
 	$(BIN)/python -m kvserve.protogen

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -109,7 +110,47 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.slow)
         if _uses_ray(item) and not item.get_closest_marker("ray"):
             item.add_marker(pytest.mark.ray)  # so `-m "not ray"` leaves out every Ray test
-    items.sort(key=_shared_ray_group)  # stable: file order is kept within each group
+        item.add_marker(pytest.mark.xdist_group(_worker_group(item)))
+    items.sort(key=_run_order)  # stable: file order is kept within each group
+
+
+# --- two workers (pytest-xdist, `make test`) ----------------------------------------------
+# `make test` runs the suite on two pytest-xdist workers (`--dist loadgroup`): a Ray test
+# spends half its time waiting on processes that start, deploy and stream, and the other
+# worker uses that core. Each module is one unit of work, so a module's fixtures (an engine, a
+# cluster) are made once; the modules on the shared Ray cluster are one unit, so that cluster
+# starts once. The Ray units go first, the shared cluster's first of all, as the longest: the
+# other worker takes the short modules meanwhile.
+SHARED_RAY_UNIT = "shared-ray-cluster"
+
+
+def _worker_group(item: pytest.Item) -> str:
+    """The unit of work an xdist worker takes whole: the shared cluster's modules together,
+    every other module alone (a shared module's test that starts its own head, alone too)."""
+    module = item.nodeid.split("::")[0]
+    if _shared_ray_group(item):
+        return SHARED_RAY_UNIT
+    if "own_ray_head" in getattr(item, "fixturenames", ()):
+        return f"{module}::own-ray-head"
+    return module
+
+
+def _run_order(item: pytest.Item) -> tuple[int, str]:
+    """The shared cluster's modules first (in group order), then the other Ray modules, then
+    the rest; the order only matters to how units are handed to workers."""
+    if _shared_ray_group(item):
+        return (0, _shared_ray_group(item))
+    return (1 if _uses_ray(item) else 2, "")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_torch_thread_per_worker() -> None:
+    """Two xdist workers on two cores: each computes on one intra-op thread, so neither's
+    OpenMP threads spin on a core the other needs (four threads on two cores ran the
+    real-model tests slower than two workers of one thread each)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(
+            os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 
 
 def _uses_ray(item: pytest.Item) -> bool:

@@ -5,9 +5,11 @@ starts and `down` stops, as a new user runs them: an empty HOME (no ~/.ray/auth_
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import tempfile
 import time
@@ -33,8 +35,15 @@ pytestmark = pytest.mark.ray  # starts Ray, so also slow (tests/conftest.py)
 
 def new_user_env(model_dir: Path, tmp_path: Path) -> dict[str, str]:
     """The environment of a user on a machine that never ran Ray or kvserve: an empty HOME and
-    an empty cache dir, except the already-converted model (and the built kernels) linked in."""
+    an empty cache dir, except the already-converted model (and the built kernels) linked in.
+
+    Its TMPDIR is its own too (short: Ray's unix sockets live under it), so what this user's
+    processes leave in the temp dir (a Ray head's temp dir, an embedded Redis, Ray's record of
+    the cluster it started) is theirs alone, whatever else runs on the machine: the tests on the
+    other xdist worker, or a cluster `ray start` recorded in /tmp/ray."""
     home, cache = tmp_path / "home", tmp_path / "cache"
+    tmp = Path(tempfile.mkdtemp(prefix="kvt", dir="/tmp"))
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)
     home.mkdir()
     cache.mkdir()
     (cache / model_dir.name).symlink_to(model_dir, target_is_directory=True)
@@ -44,20 +53,22 @@ def new_user_env(model_dir: Path, tmp_path: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if k not in ("RAY_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_MODE",
                         "REDIS_URL", "KVSERVE_API_KEYS", "KVSERVE_API_KEY")}
-    return env | {"HOME": str(home), "KVSERVE_CACHE_DIR": str(cache)}
+    return env | {"HOME": str(home), "KVSERVE_CACHE_DIR": str(cache), "TMPDIR": str(tmp)}
 
 
-def embedded_redis_dirs(since: float) -> list[Path]:
-    """The cache managers' embedded Redis directories made since `since` whose owner lives."""
-    return [d for d in Path(tempfile.gettempdir()).glob(f"{EMBEDDED_PREFIX}*")
+def embedded_redis_dirs(env: dict[str, str], since: float) -> list[Path]:
+    """The cache managers' embedded Redis directories in `env`'s temp dir made since `since`
+    whose owner lives."""
+    return [d for d in Path(env["TMPDIR"]).glob(f"{EMBEDDED_PREFIX}*")
             if d.stat().st_mtime >= since and owner_alive(d)]
 
 
-def the_embedded_redis_dir(since: float, timeout_s: float = 60) -> Path:
+def the_embedded_redis_dir(env: dict[str, str], since: float, timeout_s: float = 60) -> Path:
     """The one cache manager's embedded Redis directory made since `since`: the first replica
     starts the manager actor without waiting for it, so it may come a little after the app
     reports ready."""
-    dirs = poll(lambda: embedded_redis_dirs(since), lambda found: len(found) == 1, timeout_s)
+    dirs = poll(lambda: embedded_redis_dirs(env, since), lambda found: len(found) == 1,
+                timeout_s)
     assert len(dirs) == 1, dirs
     return dirs[0]
 
@@ -126,7 +137,7 @@ def _up_detach_status_generate_down(model_dir, tmp_path, monkeypatch, stack):
             assert gen.returncode == 0, gen.stderr
             result = json.loads(gen.stdout)
             assert len(result["token_ids"]) == 4 and result["finish_reason"] == "length"
-        redis_dir = the_embedded_redis_dir(started)  # the cache manager's redis-server
+        redis_dir = the_embedded_redis_dir(env, started)  # the cache manager's redis-server
         assert len(redis_server_pids(redis_dir)) == 1
         index = redis.Redis.from_url(f"unix://{redis_dir / 'redis.sock'}")
         keys = set(index.scan_iter(match=namespace))

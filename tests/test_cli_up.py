@@ -64,7 +64,7 @@ def test_up_generate_status_and_sigterm_to_its_process_group(model_dir, tmp_path
         assert any(f"127.0.0.1:{port}" in line for line in seen)
         state = local_head.read_state()
         assert state is not None and state.started_head and state.head_alive()
-        redis_dir = the_embedded_redis_dir(started)
+        redis_dir = the_embedded_redis_dir(env, started)
         assert not any("no API keys" in line for line in seen)  # keys given: no warning
         target, http = f"127.0.0.1:{port}", f"http://127.0.0.1:{http_port}"
         out = kvserve("generate", "The capital of France is", "--target", target,

@@ -126,7 +126,7 @@ def test_without_a_target_it_runs_and_takes_down_its_own_deployment_on_a_new_mac
 
     env = new_user_env(model_dir, tmp_path)
     monkeypatch.setenv("KVSERVE_CACHE_DIR", env["KVSERVE_CACHE_DIR"])
-    before = _tmp_dirs(local_head.TEMP_PREFIX) | _tmp_dirs(EMBEDDED_PREFIX)
+    before = _tmp_dirs(env, local_head.TEMP_PREFIX) | _tmp_dirs(env, EMBEDDED_PREFIX)
     # a deployment `kvserve up` recorded: the load test's own runs beside it, leaving it be
     recorded = local_head.UpState(address="127.0.0.1:9", started_head=False, grpc_port=9)
     local_head.write_state(recorded)
@@ -141,16 +141,17 @@ def test_without_a_target_it_runs_and_takes_down_its_own_deployment_on_a_new_mac
     assert summary["replica_memory"], summary  # read through the Ray cluster it started
     assert "stopped the Ray head" in done.stdout + done.stderr
     assert local_head.read_state() == recorded
-    after = _tmp_dirs(local_head.TEMP_PREFIX) | _tmp_dirs(EMBEDDED_PREFIX)
+    after = _tmp_dirs(env, local_head.TEMP_PREFIX) | _tmp_dirs(env, EMBEDDED_PREFIX)
     assert after <= before, f"left behind: {after - before}"
     assert not (tmp_path / "home" / ".ray").exists()
 
 
-def _tmp_dirs(prefix: str) -> set:
-    import tempfile
+def _tmp_dirs(env: dict[str, str], prefix: str) -> set:
+    """What the processes run with `env` made in their temp dir (theirs alone:
+    tests/test_cli_detached.new_user_env)."""
     from pathlib import Path
 
-    return set(Path(tempfile.gettempdir()).glob(f"{prefix}*"))
+    return set(Path(env["TMPDIR"]).glob(f"{prefix}*"))
 
 
 def test_sigterm_to_its_process_group_while_it_deploys_leaves_nothing_behind(
@@ -168,13 +169,13 @@ def test_sigterm_to_its_process_group_while_it_deploys_leaves_nothing_behind(
 
     env = new_user_env(model_dir, tmp_path)
     monkeypatch.setenv("KVSERVE_CACHE_DIR", env["KVSERVE_CACHE_DIR"])
-    before = _tmp_dirs(local_head.TEMP_PREFIX)
+    before = _tmp_dirs(env, local_head.TEMP_PREFIX)
     proc = subprocess.Popen([*KVSERVE, "loadtest", "--users", "1", "--run-time", "60s",
                              "--out", str(tmp_path / "out")], env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)
     try:
-        heads = poll(lambda: [d for d in _tmp_dirs(local_head.TEMP_PREFIX) - before
+        heads = poll(lambda: [d for d in _tmp_dirs(env, local_head.TEMP_PREFIX) - before
                               if (d / "ray-start.log").exists()], bool, 120, 0.05)
         assert heads, "the local head never started"
         [head_dir] = heads
