@@ -173,6 +173,33 @@ def test_kvserve_up_flags_override_every_setting(monkeypatch):
     assert set(actions) == set(NAMES) and all(a.default is None for a in actions.values())
 
 
+def test_kvserve_deploy_takes_every_application_flag_up_takes(monkeypatch, tmp_path):
+    """`kvserve deploy` replaces the running config whole, so it must be able to say all that
+    `up` said: API keys, Redis, tracing and every engine setting; only where and how the
+    cluster starts (ports, local nodes, --detach) is up's alone."""
+    import kvserve.cli.launch
+    from kvserve.cli import main
+
+    up_only = {"grpc_port", "http_port", "local_nodes", "gpus_per_node", "cpus_per_node",
+               "detach"}
+    up = {a.dest: a.option_strings for a in _subparser("up")._actions}
+    deploy = {a.dest: a.option_strings for a in _subparser("deploy")._actions}
+    assert {d: o for d, o in up.items() if d not in up_only} == {
+        d: o for d, o in deploy.items() if d != "address"}
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))  # where --api-key's file goes
+    seen = {}
+    monkeypatch.setattr(kvserve.cli.launch, "redeploy", lambda path, overrides, address:
+                        seen.update(config=kvserve.cli.launch.load_config(path, overrides)) or 0)
+    assert main(["deploy", "--api-key", "sk-a:team", "--redis-url", "redis://h:1",
+                 "--otlp-traces-endpoint", "h:4317", "--replicas", "2",
+                 *_argv(SAMPLES)]) == 0
+    config = seen["config"]
+    assert (config.redis_url, config.otlp_traces_endpoint, config.replicas) == (
+        "redis://h:1", "h:4317", 2)
+    assert "sk-a" in Path(config.api_keys_file).read_text()
+    assert EngineConfig(**config.engine_config()) == EngineConfig(**SAMPLES)
+
+
 def test_kvserve_up_none_resets_a_config_files_value_and_an_absent_flag_keeps_it(
         monkeypatch, tmp_path):
     import kvserve.cli.launch

@@ -5,6 +5,7 @@ a fake cache manager, including a missing, slow or dying manager. No Ray cluster
 from __future__ import annotations
 
 import asyncio
+import inspect
 import math
 import pickle
 import subprocess
@@ -206,9 +207,30 @@ class FakeManager:
         return self.size
 
 
+def router_namespaces() -> list[dict[str, Any]]:
+    """Every globals dict the router's code reads: the module's, and the one its methods got
+    if a deployment ran in this process first. Serve pickles the router class by value when
+    it deploys (`register_pickle_by_value`), and unpickling it in the same process makes
+    cloudpickle overwrite the class's methods with copies whose globals are a new dict, so
+    patching the module alone would no longer reach them (it failed when a serving module ran
+    before this one)."""
+    found = {id(vars(router_mod)): vars(router_mod)}
+    for value in vars(CacheAwareRouter).values():
+        if inspect.isfunction(value):
+            found.setdefault(id(value.__globals__), value.__globals__)
+    return list(found.values())
+
+
+def patch_router(monkeypatch: pytest.MonkeyPatch, name: str, value: Any,
+                 namespace: dict[str, Any] | None = None) -> None:
+    """`name` is `value` for the router's code (in `namespace` if given)."""
+    for ns in [namespace] if namespace is not None else router_namespaces():
+        monkeypatch.setitem(ns, name, value)
+
+
 def use_manager(monkeypatch: pytest.MonkeyPatch, manager: Any,
                 namespace: dict[str, Any] | None = None) -> list[str]:
-    """Route `_lookup_manager` (in `namespace`, default the module's) to `manager` (an
+    """Route `_lookup_manager` (in `namespace`, default the router's) to `manager` (an
     exception: raise it); returns the names asked."""
     names: list[str] = []
 
@@ -218,7 +240,7 @@ def use_manager(monkeypatch: pytest.MonkeyPatch, manager: Any,
             raise manager
         return manager
 
-    monkeypatch.setitem(namespace or vars(router_mod), "_lookup_manager", lookup)
+    patch_router(monkeypatch, "_lookup_manager", lookup, namespace)
     return names
 
 
@@ -308,7 +330,7 @@ def test_missing_manager_routes_on_load_then_is_found_later(monkeypatch):
         router = make_router(replicas, manager_retry_s=1.0)
         manager = FakeManager({"a": HASHES})
         assert await route(router, ids_request(PROMPT), rid="1") == "b"
-        monkeypatch.setattr(router_mod, "_lookup_manager", lambda name: manager)
+        patch_router(monkeypatch, "_lookup_manager", lambda name: manager)
         assert await route(router, ids_request(PROMPT), rid="2") == "b"  # not retried yet
         await asyncio.sleep(1.1)
         assert await route(router, ids_request(PROMPT), rid="3") == "a"
@@ -328,8 +350,8 @@ def test_a_dead_manager_is_looked_up_again_at_once_then_its_successor_is_used(mo
     successor = FakeManager({"a": HASHES})
     found = iter([dead, successor, dead])
     names = use_manager(monkeypatch, None)
-    monkeypatch.setattr(router_mod, "_lookup_manager",
-                        lambda name: names.append(name) or next(found))
+    patch_router(monkeypatch, "_lookup_manager",
+                 lambda name: names.append(name) or next(found))
 
     async def run() -> None:
         router = make_router([FakeReplica("a", 2), FakeReplica("b", 0)], manager_retry_s=60)
@@ -417,7 +439,7 @@ def test_a_tokenizer_still_loading_does_not_hold_routing(monkeypatch, tokenizer)
         time.sleep(0.5)
         return tokenizer
 
-    monkeypatch.setattr(router_mod, "_load_tokenizer", slow_load)
+    patch_router(monkeypatch, "_load_tokenizer", slow_load)
     prompt = "one two three four five six seven eight nine ten eleven twelve"
     manager = FakeManager({"a": block_hashes_hex(to_token_ids(tokenizer, 1, prompt=prompt),
                                                  BS, "")})

@@ -29,15 +29,12 @@ def add_up(sub) -> None:
                     "RAY_ADDRESS a local Ray cluster is started; with it, that cluster is "
                     "joined. --detach deploys, prints the addresses and returns; then use "
                     "`kvserve status` and `kvserve down`.")
-    p.add_argument("--replicas", type=int, default=None, help="replicas (default 1)")
     p.add_argument("--grpc-port", type=int, default=50051,
                    help="port of Serve's gRPC proxy (default 50051)")
     p.add_argument("--http-port", type=int, default=8000,
                    help="port of Serve's HTTP proxy, the OpenAI-compatible API on 127.0.0.1 "
                         "(/v1/completions, /v1/chat/completions, /v1/models, /health, "
                         "/tokenize; default 8000, Serve's and vLLM's)")
-    p.add_argument("--num-gpus-per-replica", type=float, default=None,
-                   help="GPUs Ray reserves per replica (default 0; 1 on GPU nodes)")
     p.add_argument("--local-nodes", type=int, default=1, metavar="N",
                    help="start N Ray nodes on this machine (a head and N-1 workers, separate "
                         "raylets sharing the CPUs): a multi-node cluster, simulated; not with "
@@ -50,6 +47,23 @@ def add_up(sub) -> None:
                    help="CPUs each started node declares, logical beyond the machine's (e.g. "
                         "4 to place a config's num_cpus_per_replica: 4). Default: each node's "
                         "share of the machine, or of what the replicas need")
+    p.add_argument("--detach", action="store_true",
+                   help="deploy and exit, leaving the service running (a local Ray head is "
+                        "started as its own process unless RAY_ADDRESS is set); stop it with "
+                        "`kvserve down`")
+    add_app_args(p)
+    p.set_defaults(run=_run_up)
+
+
+def add_app_args(p: argparse.ArgumentParser) -> None:
+    """The application's settings, the same flags for `kvserve up` and `kvserve deploy`:
+    replicas, the cache manager's Redis, API keys, tracing, a config file, and every engine
+    setting (generated from EngineConfig)."""
+    p.add_argument("--config", default=None,
+                   help="YAML of AppConfig fields, or a Serve config like infra/serve/cpu.yaml")
+    p.add_argument("--replicas", type=int, default=None, help="replicas (default 1)")
+    p.add_argument("--num-gpus-per-replica", type=float, default=None,
+                   help="GPUs Ray reserves per replica (default 0; 1 on GPU nodes)")
     p.add_argument("--redis-url", default=None,
                    help="Redis for the cache manager's index (default: $REDIS_URL, else an "
                         "embedded redis-server)")
@@ -65,22 +79,20 @@ def add_up(sub) -> None:
                    help="export an OpenTelemetry span per request (queued, prefill, decode, "
                         "preemptions as children; a caller's W3C traceparent as parent) to "
                         "this OTLP/gRPC receiver")
-    p.add_argument("--config", default=None,
-                   help="YAML of AppConfig fields, or a Serve config like infra/serve/cpu.yaml")
-    p.add_argument("--detach", action="store_true",
-                   help="deploy and exit, leaving the service running (a local Ray head is "
-                        "started as its own process unless RAY_ADDRESS is set); stop it with "
-                        "`kvserve down`")
     add_engine_args(p, "serve", overrides=True)  # each replica's engine: every setting
-    p.set_defaults(run=_run_up)
 
 
-def _run_up(args: argparse.Namespace) -> int:
-    overrides = engine_kwargs(args) | {
+def app_overrides(args: argparse.Namespace) -> dict:
+    """What `add_app_args`' flags set (None where not given: the config's or the default)."""
+    return engine_kwargs(args) | {
         "replicas": args.replicas, "num_gpus_per_replica": args.num_gpus_per_replica,
         "redis_url": args.redis_url,
         "api_keys_file": keys_file_for(args.api_key, args.api_keys_file),
         "otlp_traces_endpoint": args.otlp_traces_endpoint}
+
+
+def _run_up(args: argparse.Namespace) -> int:
+    overrides = app_overrides(args)
     from cluster import local_head
 
     if already_up(local_head.read_live_state()):  # before the ~6 s of Ray and engine imports
@@ -108,23 +120,17 @@ def add_deploy(sub) -> None:
                     "over; the cluster, its nodes and the gRPC and HTTP ports stay as they are, "
                     "and `kvserve down` still stops what `kvserve up` started. The config "
                     "replaces the running one whole: what it leaves out takes its default, API "
-                    "keys included (--config with api_keys_file keeps them).")
-    p.add_argument("--config", default=None,
-                   help="YAML of AppConfig fields, or a Serve config like infra/serve/cpu.yaml")
-    p.add_argument("--replicas", type=int, default=None, help="replicas (default 1)")
-    p.add_argument("--num-gpus-per-replica", type=float, default=None,
-                   help="GPUs per replica (default 0; 1 on GPU nodes)")
+                    "keys included (give them again: --api-key, --api-keys-file, or "
+                    "api_keys_file in --config).")
     p.add_argument("--address", default=None, help=_ADDRESS_HELP)
-    add_engine_args(p, "serve", overrides=True)
+    add_app_args(p)  # the same flags as `kvserve up`'s, from one definition
     p.set_defaults(run=_run_deploy)
 
 
 def _run_deploy(args: argparse.Namespace) -> int:
     from kvserve.cli.launch import redeploy
 
-    overrides = engine_kwargs(args) | {"replicas": args.replicas,
-                                       "num_gpus_per_replica": args.num_gpus_per_replica}
-    return redeploy(args.config, overrides, args.address)
+    return redeploy(args.config, app_overrides(args), args.address)
 
 
 def keys_file_for(keys: list[str] | None, keys_file: str | None) -> str | None:
