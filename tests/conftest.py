@@ -143,14 +143,15 @@ def _run_order(item: pytest.Item) -> tuple[int, str]:
     return (1 if _uses_ray(item) else 2, "")
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _one_torch_thread_per_worker() -> None:
-    """Two xdist workers on two cores: each computes on one intra-op thread, so neither's
-    OpenMP threads spin on a core the other needs (four threads on two cores ran the
-    real-model tests slower than two workers of one thread each)."""
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(
-            os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+# Two xdist workers on two cores: every process a worker starts computes on one thread. Set in
+# the environment before any test runs, so the `kvserve` subprocesses, the Ray heads and the
+# replicas a worker starts inherit it (Ray leaves a replica's OMP_NUM_THREADS alone when it is
+# set). With two OpenMP threads per process, each parallel region waits for its slower thread,
+# and with the other worker busy one of them is often descheduled.
+WORKER_THREADS = 1
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(WORKER_THREADS)
+    torch.set_num_threads(WORKER_THREADS)
 
 
 def _uses_ray(item: pytest.Item) -> bool:
