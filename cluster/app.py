@@ -18,6 +18,7 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
 
 from cache_manager.index import LEASE_TTL_S, REPORT_INTERVAL_MS
 from cluster.deployment import GenerationDeployment
@@ -160,6 +161,18 @@ class AppConfig(EngineSettings):  # type: ignore[misc,valid-type]
                 "report_interval_ms": self.kv_report_interval_ms}
 
 
+def routing(config: AppConfig) -> RequestRouterConfig | None:
+    """The cache-aware router's config (None: Serve's own routing). It is told what a replica
+    admits (`max_num_seqs` running + `max_waiting_requests` waiting), so that it never sends a
+    request to a full holder to be refused while another replica has room."""
+    if not (config.cache_aware_routing and config.enable_prefix_caching):
+        return None
+    engine = EngineConfig(**config.engine_config())  # its defaults filled in
+    return request_router_config(
+        config.model, imbalance_threshold=config.routing_imbalance_threshold,
+        replica_capacity=engine.max_num_seqs + engine.max_waiting_requests)
+
+
 def build_app(args: dict[str, Any] | AppConfig) -> Application:
     config = args if isinstance(args, AppConfig) else AppConfig.model_validate(args)
     scaling: dict[str, Any] = {"num_replicas": config.replicas}
@@ -178,9 +191,8 @@ def build_app(args: dict[str, Any] | AppConfig) -> Application:
               if (v := getattr(config, k)) is not None}
     if health:
         deployment = deployment.options(**health)
-    if config.cache_aware_routing and config.enable_prefix_caching:
-        deployment = deployment.options(request_router_config=request_router_config(
-            config.model, imbalance_threshold=config.routing_imbalance_threshold))
+    if (router := routing(config)) is not None:
+        deployment = deployment.options(request_router_config=router)
     replicas = config.autoscaling.max_replicas if config.autoscaling else config.replicas
     return deployment.bind(config.engine_config(), replicas, config.stream_coalesce_ms,
                            config.cache_manager_config(), config.api_keys_file,

@@ -74,20 +74,24 @@ def choose_replica_ids(
     *,
     imbalance_threshold: float = DEFAULT_IMBALANCE_THRESHOLD,
     min_matched_blocks: int = 1,
+    capacity: int | None = None,
 ) -> list[str]:
     """The candidate replicas (the keys of `load`), best first.
 
     `matched[r]`: leading prompt blocks replica r holds (absent: none); `load[r]`: its ongoing
     requests (inf: unknown). A replica is overloaded when its load exceeds the least-loaded
-    candidate's by more than `imbalance_threshold`. First comes the longest holder (at least
-    `min_matched_blocks`) that is not overloaded, ties to the less loaded; then everyone else,
-    least loaded first. With no such holder, least loaded first. Full ties keep `load`'s order.
+    candidate's by more than `imbalance_threshold`, or when it already holds `capacity`
+    requests (the most it admits: one more would be refused at once, however warm its cache).
+    First comes the longest holder (at least `min_matched_blocks`) that is not overloaded, ties
+    to the less loaded; then everyone else, least loaded first. With no such holder, least
+    loaded first. Full ties keep `load`'s order.
     """
     if not load:
         return []
     least = min(load.values())
     by_load = sorted(load, key=lambda r: (load[r], -matched.get(r, 0)))
-    balanced = [r for r in load if load[r] - least <= imbalance_threshold]  # inf-inf: no
+    balanced = [r for r in load if load[r] - least <= imbalance_threshold  # inf-inf: no
+                and (capacity is None or load[r] < capacity)]
     best = max(balanced, key=lambda r: (matched.get(r, 0), -load[r]), default=None)
     if best is None or matched.get(best, 0) < min_matched_blocks:
         return by_load
@@ -131,11 +135,13 @@ class RouterSettings:
     Serve's `request_router_kwargs`, and `initialize_state` receives them back.
 
     `model` must be the engine's (`EngineConfig.model`): its tokenizer makes the hashes.
+    `replica_capacity`: the requests a replica admits (running + waiting; None: no bound).
     `deployment_name` names the cache manager to ask (default: the routed deployment's)."""
 
     model: str | None = None
     imbalance_threshold: float = DEFAULT_IMBALANCE_THRESHOLD
     min_matched_blocks: int = 1
+    replica_capacity: int | None = None
     manager_timeout_s: float = DEFAULT_MANAGER_TIMEOUT_S
     manager_retry_s: float = DEFAULT_MANAGER_RETRY_S
     tokenizer_wait_s: float = DEFAULT_TOKENIZER_WAIT_S
@@ -176,6 +182,7 @@ class CacheAwareRouter(RequestRouter):
         self._model = settings.model
         self._imbalance_threshold = float(settings.imbalance_threshold)
         self._min_matched_blocks = int(settings.min_matched_blocks)
+        self._capacity = settings.replica_capacity
         self._manager_timeout_s = settings.manager_timeout_s
         self._manager_retry_s = settings.manager_retry_s
         self._tokenizer_wait_s = settings.tokenizer_wait_s
@@ -205,7 +212,8 @@ class CacheAwareRouter(RequestRouter):
         load, matched = await asyncio.gather(
             self._loads(replicas), self._matched_blocks(pending_request))
         order = choose_replica_ids(matched, load, imbalance_threshold=self._imbalance_threshold,
-                                   min_matched_blocks=self._min_matched_blocks)
+                                   min_matched_blocks=self._min_matched_blocks,
+                                   capacity=self._capacity)
         by_id = {r.replica_id.unique_id: r for r in replicas}
         return [[by_id[replica_id]] for replica_id in order]
 

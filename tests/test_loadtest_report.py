@@ -5,7 +5,10 @@ duration / user-count parsing."""
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import os
+from pathlib import Path
 
 import pytest
 
@@ -148,3 +151,50 @@ def test_the_watch_counts_replicas_and_the_load_plot_shows_them_with_users_and_r
     assert "replicas           1 -> 2 (at 4 s)" in format_summary(summary)
     png = plot_load(summary, tmp_path / "load.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_refusals_are_counted_under_the_replica_count_serving_when_each_stream_ended():
+    """Whether refusals fell as replicas came up (#21): each stream's end goes to the replica
+    count sampled last before it; refusals are RESOURCE_EXHAUSTED or HTTP 429, not other
+    failures."""
+    from kvserve.bench.loadtest import format_summary, refusals_by_replicas
+
+    replicas = [[0.0, 1], [2.0, 1], [4.0, 2], [6.0, 3], [8.0, 3]]
+    ends = [(-0.5, "OK"), (1.0, "RESOURCE_EXHAUSTED"), (3.9, "RESOURCE_EXHAUSTED"),
+            (4.0, "OK"), (5.0, "HTTP_429"), (5.5, "UNAVAILABLE"), (7.0, "OK"), (9.0, "OK")]
+    rows = refusals_by_replicas(ends, replicas)
+    assert rows == [
+        {"replicas": 1, "seconds": 4.0, "streams": 3, "refused": 2, "refused_share": 0.667},
+        {"replicas": 2, "seconds": 2.0, "streams": 3, "refused": 1, "refused_share": 0.333},
+        {"replicas": 3, "seconds": 2.0, "streams": 2, "refused": 0, "refused_share": 0.0}]
+    assert refusals_by_replicas(ends, []) == []  # no cluster to watch
+    summary = _summary(6)
+    summary.files = ["out/locust_stats.csv"]
+    summary.refusals_by_replicas = rows
+    assert "refused, by replicas serving  1: 2/3, 2: 1/3, 3: 0/2" in format_summary(summary)
+
+
+def test_the_load_shapes_and_the_cli_name_the_same_shapes():
+    """`--shape`'s choices are the locustfile's shapes; ramp-hold rises over the first half of
+    the run and holds the peak for the second. Run in a subprocess: importing Locust
+    monkey-patches its process for gevent."""
+    import subprocess
+    import sys
+
+    from kvserve.cli.loadtest import add_loadtest
+
+    parser = argparse.ArgumentParser()
+    add_loadtest(parser.add_subparsers())
+    shape = next(a for a in parser._subparsers._group_actions[0].choices["loadtest"]._actions
+                 if a.dest == "shape")
+    probe = ("import json, shapes\n"
+             "s = shapes.by_name('ramp-hold')(); ticks = []\n"
+             "for t in (0, 5, 10, 15, 20, 30, 39, 41):\n"
+             "    s.get_run_time = lambda t=t: t; ticks.append(s.tick())\n"
+             "print(json.dumps([sorted(shapes.SHAPES), ticks]))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          cwd=Path(__file__).parents[1] / "kvserve/bench/locust", check=True,
+                          env={**os.environ, "KVSERVE_USERS": "10", "KVSERVE_RUN_TIME_S": "40"})
+    names, ticks = json.loads(done.stdout)
+    assert sorted(shape.choices) == names and "ramp-hold" in names
+    assert [t and t[0] for t in ticks] == [1, 2, 5, 8, 10, 10, 10, None]

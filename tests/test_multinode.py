@@ -339,13 +339,14 @@ autoscaling:
   min_replicas: 1
   max_replicas: 3
   target_ongoing_requests: 1
-  upscale_delay_s: 2
+  upscale_delay_s: 1
   downscale_delay_s: 4
   look_back_period_s: 3
   metrics_interval_s: 0.5
 num_gpus_per_replica: 1
 kv_cache_memory: 64MiB
-max_num_seqs: 4
+max_num_seqs: 2
+max_waiting_requests: 2
 """
 
 
@@ -396,7 +397,15 @@ def test_autoscaling_follows_a_load_ramp_across_nodes_and_back(sim: SimCluster,
                                                                tmp_path: Path):
     """Item 4 of #21: `kvserve deploy` with autoscaling 1-3; a `kvserve loadtest` ramp drives
     the replica count up (onto other nodes: one GPU each) and it returns to 1 after the load.
-    The load test's summary records the replica count over time and plots it."""
+    The load test's summary records the replica count over time and plots it.
+
+    Refusals as replicas come up: a replica admits 4 requests (2 running, 2 waiting), the load
+    rises to 6 users over 16 s and holds for 16 s. While one replica serves, the rise outgrows
+    it and some streams are refused; once more serve, the refused share is no higher, although
+    the load is then at its peak and the one-replica share includes the ramp's quiet start.
+    (That it falls to nothing is not shown here: a replica takes 15-20 s to start on this
+    loaded machine, and refused users back off.) Without autoscaling there is no second
+    replica and no such row."""
     config = tmp_path / "autoscaling.yaml"
     config.write_text(AUTOSCALING)
     deploy = sim.kvserve("deploy", "--config", str(config))
@@ -406,16 +415,23 @@ def test_autoscaling_follows_a_load_ramp_across_nodes_and_back(sim: SimCluster,
     assert report["replicas"][0]["gpu_ids"] == ["0"], report
 
     out = tmp_path / "load"
-    load = sim.kvserve("loadtest", "--target", f"127.0.0.1:{sim.port}", "--users", "12",
-                       "--shape", "ramp", "--run-time", "30s", "--workload", "short",
+    load = sim.kvserve("loadtest", "--target", f"127.0.0.1:{sim.port}", "--users", "6",
+                       "--shape", "ramp-hold", "--run-time", "32s", "--workload", "short",
                        "--out", str(out), "--json", timeout=200)
     assert load.returncode == 0, load.stdout[-2000:] + load.stderr[-3000:]
     summary = json.loads(load.stdout)
     print("replicas over time:", summary["replicas_over_time"])
     print("users, failures over time:", summary["load_over_time"])
+    print("refusals by replicas:", summary["refusals_by_replicas"])
     counts = [n for _, n in summary["replicas_over_time"]]
     assert counts and counts[0] == 1 and max(counts) >= 2, summary["replicas_over_time"]
     assert summary["load_over_time"] and (out / "load.png").stat().st_size > 10_000
+    rows = summary["refusals_by_replicas"]
+    one = next(r for r in rows if r["replicas"] == 1)
+    more = [r for r in rows if r["replicas"] >= 2]
+    refused, streams = sum(r["refused"] for r in more), sum(r["streams"] for r in more)
+    assert one["refused"] >= 2 and streams >= 5, rows  # the rise outgrew one replica
+    assert refused / streams <= one["refused_share"], rows
     assert summary["streams"] > 0
 
     report = poll(sim.status, lambda r: len(r["replicas"]) == 1, 90, interval_s=1)

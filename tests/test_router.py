@@ -58,6 +58,28 @@ def test_holder_at_exactly_the_threshold_is_not_overloaded():
     assert choose_replica_ids({"a": 1}, {"a": 11.0, "b": 3.0}, imbalance_threshold=8)[0] == "a"
 
 
+def test_a_holder_that_admits_no_more_loses_however_small_the_imbalance():
+    """A replica holding `capacity` requests (max_num_seqs running + as many waiting) refuses
+    the next at once: a warm cache there is worth nothing. Below it, the holder still wins."""
+    load = {"a": 4.0, "b": 1.0}
+    assert choose_replica_ids({"a": 9}, load, imbalance_threshold=8, capacity=4) == ["b", "a"]
+    assert choose_replica_ids({"a": 9}, load, imbalance_threshold=8, capacity=5)[0] == "a"
+    assert choose_replica_ids({"a": 9}, load, imbalance_threshold=8)[0] == "a"  # no bound
+    both_full = {"a": 4.0, "b": 5.0}  # no one admits: least loaded first, as with no holder
+    assert choose_replica_ids({"b": 9}, both_full, capacity=4) == ["a", "b"]
+
+
+def test_the_deployment_tells_the_router_what_a_replica_admits():
+    from cluster.app import AppConfig, routing
+
+    def capacity(**engine) -> int:
+        return routing(AppConfig(**engine)).request_router_kwargs["replica_capacity"]
+
+    assert capacity(max_num_seqs=2) == 4  # max_waiting_requests defaults to max_num_seqs
+    assert capacity(max_num_seqs=2, max_waiting_requests=6) == 8
+    assert routing(AppConfig(cache_aware_routing=False)) is None
+
+
 def test_equal_matches_go_to_the_less_loaded():
     assert choose_replica_ids({"a": 3, "b": 3}, {"a": 2.0, "b": 1.0, "c": 0.0})[0] == "b"
 

@@ -13,6 +13,7 @@ several user counts it runs one load per count (the baseline sweep, `loadtest_re
 
 from __future__ import annotations
 
+import bisect
 import csv
 import itertools
 import json
@@ -33,6 +34,8 @@ LOCUSTFILE = Path(__file__).resolve().with_name("locust") / "locustfile.py"
 WORKLOADS = {"short": ["ShortChatUser"], "long": ["LongPromptUser"], "mixed": ["MixedUser"],
              "multiturn": ["MultiTurnUser"],
              "all": ["ShortChatUser", "LongPromptUser", "MixedUser", "MultiTurnUser"]}
+REFUSED = "RESOURCE_EXHAUSTED"  # admission control's answer over gRPC
+REFUSALS = (REFUSED, "HTTP_429")  # ... and over HTTP
 
 
 @dataclass
@@ -71,6 +74,10 @@ class LoadtestSummary:
     replicas_over_time: list[list[float]] = field(default_factory=list)
     # [t_s, users, refusals and other failures so far], one per Locust history row
     load_over_time: list[list[float]] = field(default_factory=list)
+    # per replica count (given the cluster): the streams that ended while that many replicas
+    # served, how many were refused, and the seconds at that count: do refusals fall as
+    # replicas come up?
+    refusals_by_replicas: list[dict] = field(default_factory=list)
     files: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -142,12 +149,37 @@ def run_load(cfg: LoadtestConfig,
         warmup = min(cfg.warmup_s, cfg.run_time_s / 4)
         summary.replica_memory = [m.to_dict() for m in memory_report(watch.samples, warmup)]
         summary.replicas_over_time = [[round(t, 1), n] for t, n in watch.replica_counts]
+        ends = json.loads((cfg.out / "tokens.json").read_text()).get("ends", [])
+        summary.refusals_by_replicas = refusals_by_replicas(
+            [(t - started_at, status) for t, status in ends], summary.replicas_over_time)
         summary.files.append(str(write_csv(watch.samples, cfg.out / "memory.csv")))
         summary.files.append(str(plot_memory(watch.samples, warmup, cfg.out / "memory.png")))
     summary.load_over_time = load_history(cfg.out / "locust_stats_history.csv", started_at)
     if summary.load_over_time:
         summary.files.append(str(plot_load(summary, cfg.out / "load.png")))
     return summary
+
+
+def refusals_by_replicas(ends: list[tuple[float, str]],
+                         replicas: list[list[float]]) -> list[dict]:
+    """Each stream's end (t_s, "OK" or its status) counted under the replica count sampled last
+    before it (`replicas`: [t_s, count], sorted; ends before the first sample count under it):
+    per count, {"replicas", "seconds" at that count, "streams", "refused", "refused_share"}."""
+    if not replicas:
+        return []
+    times = [t for t, _ in replicas]
+    rows: dict[int, dict] = {}
+    for (t0, n), t1 in zip(replicas, [*times[1:], times[-1]], strict=True):
+        row = rows.setdefault(int(n), {"replicas": int(n), "seconds": 0.0, "streams": 0,
+                                       "refused": 0})
+        row["seconds"] += t1 - t0
+    for t, status in ends:
+        row = rows[int(replicas[max(0, bisect.bisect_right(times, t) - 1)][1])]
+        row["streams"] += 1
+        row["refused"] += status in REFUSALS
+    return [{**row, "seconds": round(row["seconds"], 1),
+             "refused_share": round(row["refused"] / row["streams"], 3) if row["streams"]
+             else None} for _, row in sorted(rows.items())]
 
 
 def load_history(path: Path, started_at: float) -> list[list[float]]:
@@ -269,6 +301,9 @@ def format_summary(s: LoadtestSummary) -> str:
         *memory,
         *([f"  replicas           {_changes(s.replicas_over_time)}"]
           if s.replicas_over_time else []),
+        *(["  refused, by replicas serving  " + ", ".join(
+            f"{r['replicas']}: {r['refused']}/{r['streams']}" for r in s.refusals_by_replicas)]
+          if len(s.refusals_by_replicas) > 1 else []),
         f"  reports            {Path(s.files[0]).parent}/ (locust_*.csv, report.html)",
     ])
 

@@ -9,9 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvserve.bench.loadtest import LoadtestSummary
-
-REFUSED = "RESOURCE_EXHAUSTED"
+from kvserve.bench.loadtest import REFUSED, LoadtestSummary
 
 
 def first_refusing(summaries: Sequence[LoadtestSummary]) -> int | None:

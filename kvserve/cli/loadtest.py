@@ -44,8 +44,11 @@ def add_loadtest(sub) -> None:
                    choices=["short", "long", "mixed", "multiturn", "all"],
                    help="short chat, ~2,000-token prompts, mixed lengths, or multi-turn chats\n"
                         "with shared prefixes (default mixed)")
-    p.add_argument("--shape", default=None, choices=["steady", "ramp", "spike"],
-                   help="load shape over the run (default: all users for the whole run)")
+    p.add_argument("--shape", default=None, choices=["steady", "ramp", "ramp-hold", "spike"],
+                   help="load shape over the run: steady (all users throughout), ramp (1 user\n"
+                        "up to --users over the run), ramp-hold (up over the first half, then\n"
+                        "--users), spike (a quarter, --users in the middle fifth, a quarter);\n"
+                        "default: Locust's own (all users, started at --spawn-rate)")
     p.add_argument("--target", default=None, metavar="HOST:PORT",
                    help="a running deployment (default: start a local one)")
     p.add_argument("--protocol", choices=["grpc", "http"], default="grpc",

@@ -12,13 +12,14 @@ per second, shown in Locust's time columns). A failed stream is a `stream` failu
 gRPC status code (e.g. RESOURCE_EXHAUSTED) or HTTP status (HTTP_429). One channel (or HTTP
 session) per user, reused across its requests.
 Workloads: ShortChatUser, LongPromptUser, MixedUser, MultiTurnUser (tags short, long, mixed,
-multiturn), each seeded. Load shapes: KVSERVE_SHAPE=steady|ramp|spike (see shapes.py).
+multiturn), each seeded. Load shapes: KVSERVE_SHAPE=steady|ramp|ramp-hold|spike (shapes.py).
 A user whose stream was refused (RESOURCE_EXHAUSTED, UNAVAILABLE, HTTP 429 or 503) backs off
 exponentially with
 jitter before its next request, as gRPC's retry policy would (KVSERVE_BACKOFF_S, default 0.5 s,
 doubling up to 8 s); KVSERVE_TIMEOUT_S is each stream's deadline (default 600 s).
 KVSERVE_TOKENS_FILE, if set, receives the totals (output tokens, streams, each failure's
-latency by status, and the raw TTFT and per-token ITL samples in ms) for `kvserve loadtest`,
+latency by status, the raw TTFT and per-token ITL samples in ms, and each stream's end: unix
+time and outcome, "OK" or the status) for `kvserve loadtest`,
 which takes its p50/p99 from those samples with the percentile `kvserve bench serve` uses
 (Locust's own columns come from its rounded response-time histogram).
 """
@@ -66,8 +67,10 @@ TIMEOUT_S = float(os.environ.get("KVSERVE_TIMEOUT_S", "600"))
 BACKOFF_S = float(os.environ.get("KVSERVE_BACKOFF_S", "0.5"))
 RETRYABLE = {"RESOURCE_EXHAUSTED", "UNAVAILABLE", "HTTP_429", "HTTP_503"}
 # failure_ms: status -> [ms]; ttft_ms: one sample per stream; itl_ms: one per token after the
-# first message's (k tokens after a gap g: k samples of g / k, as `kvserve bench serve` counts)
-TOTALS: dict = {"output_tokens": 0, "streams": 0, "failure_ms": {}, "ttft_ms": [], "itl_ms": []}
+# first message's (k tokens after a gap g: k samples of g / k, as `kvserve bench serve` counts);
+# ends: [unix time, "OK" or the failure's status] per stream, for outcomes over time
+TOTALS: dict = {"output_tokens": 0, "streams": 0, "failure_ms": {}, "ttft_ms": [], "itl_ms": [],
+                "ends": []}
 _USER_NUMBERS = itertools.count()  # seeds users by spawn order, so runs repeat
 
 if os.environ.get("KVSERVE_SHAPE"):
@@ -186,11 +189,13 @@ class KvserveUser(User):
     def _failed(self, status: str, seconds: float, tokens: int) -> None:
         _fire("stream", seconds, tokens, GrpcStreamError(status))
         TOTALS["failure_ms"].setdefault(status, []).append(1000 * seconds)
+        TOTALS["ends"].append([round(time.time(), 3), status])
         self.refusals = self.refusals + 1 if status in RETRYABLE else 0
 
 
 def _report_stream(total_s: float, tokens: int, gaps: list[float]) -> None:
     TOTALS["streams"] += 1
+    TOTALS["ends"].append([round(time.time(), 3), "OK"])
     _fire("stream", total_s, tokens)
     if gaps:
         events.request.fire(request_type=PROTOCOL, name="ITL", response_time=1000 * sum(gaps)

@@ -1,4 +1,5 @@
-"""Load shapes for the Locust users: steady, ramp and spike (KVSERVE_SHAPE selects one).
+"""Load shapes for the Locust users: steady, ramp, ramp-hold and spike (KVSERVE_SHAPE selects
+one).
 
 Sizes come from KVSERVE_USERS (peak users, default 8) and KVSERVE_RUN_TIME_S (default 60).
 """
@@ -37,6 +38,18 @@ class RampShape(LoadTestShape):
         return max(1, round(_users() * t / _run_time())), max(1, _users() // 10)
 
 
+class RampHoldShape(LoadTestShape):
+    """From 1 user up to the peak over the first half of the run, then the peak for the second
+    half: a load that rises and stays, which autoscaling must catch up with (refusals while one
+    replica takes the rise, none once enough replicas serve the peak)."""
+
+    def tick(self):
+        t, total = self.get_run_time(), _run_time()
+        if t > total:
+            return None
+        return max(1, min(_users(), round(_users() * 2 * t / total))), max(1, _users() // 10)
+
+
 class SpikeShape(LoadTestShape):
     """A quarter of the users, the peak for the middle fifth of the run, then a quarter again."""
 
@@ -48,7 +61,8 @@ class SpikeShape(LoadTestShape):
         return users, users
 
 
-SHAPES = {"steady": SteadyShape, "ramp": RampShape, "spike": SpikeShape}
+SHAPES = {"steady": SteadyShape, "ramp": RampShape, "ramp-hold": RampHoldShape,
+          "spike": SpikeShape}
 
 
 def by_name(name: str) -> type[LoadTestShape]:
