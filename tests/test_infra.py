@@ -132,6 +132,18 @@ def test_gpu_serve_config_serves_bf16_with_flash_attention_on_the_gpu():
     assert engine.kv_cache_memory is None and 0 < engine.gpu_memory_utilization <= 1
 
 
+def test_gpu_serve_config_sends_a_replica_no_more_than_it_admits():
+    """README ("Refused by the replica, or held by Serve"): with several replicas, Serve's
+    max_ongoing_requests equals what a replica admits, so Serve routes around a full one."""
+    from cluster.app import AppConfig
+    from workers.config import EngineConfig
+
+    args = yaml.safe_load((INFRA / "serve" / "gpu.yaml").read_text())["applications"][0]["args"]
+    config = AppConfig.model_validate(args)
+    engine = EngineConfig(**config.engine_config())
+    assert config.max_ongoing_requests == engine.max_num_seqs + engine.max_waiting_requests
+
+
 def test_rayservice_serves_the_gpu_serve_config():
     gpu = yaml.safe_load((INFRA / "serve" / "gpu.yaml").read_text())
     assert yaml.safe_load(_k8s("RayService")["spec"]["serveConfigV2"]) == gpu

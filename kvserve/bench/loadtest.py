@@ -58,7 +58,7 @@ class LoadtestConfig:
 class LoadtestSummary:
     users: int
     run_time_s: float
-    streams: int
+    streams: int  # Locust's count of streams that ended, the failed (refused) ones included
     requests_per_s: float
     output_tokens: int
     output_tokens_per_s: float
