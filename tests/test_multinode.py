@@ -408,7 +408,7 @@ def test_autoscaling_follows_a_load_ramp_across_nodes_and_back(sim: SimCluster,
     more (`max_queued_requests` 1). The load rises to 8 users over 18 s, then holds: more than
     one replica takes, fewer than two do. The summary counts every stream's end under the
     replica count serving then (`refusals_by_replicas`), refused or not; the refused share must
-    be at most 0.2 at the most replicas, and under half its share at one. Negative control,
+    be at most 0.2 while two or more served, and under half its share at one. Negative control,
     measured by hand (2026-12-03, these settings less the two Serve limits, so Serve's default
     `max_ongoing_requests` 256): Serve sent requests to a full replica, which refused them while
     the other had room, and the share went only from 0.67 with one replica to 0.50 with two."""
@@ -440,12 +440,13 @@ def test_autoscaling_follows_a_load_ramp_across_nodes_and_back(sim: SimCluster,
     assert summary["streams"] <= ended <= summary["streams"] + 8, (rows, summary["streams"])
     assert sum(r["refused"] for r in rows) == summary["failures"].get("RESOURCE_EXHAUSTED", 0)
     assert summary["streams"] > 0
-    one, most = rows[0], rows[-1]
+    one, more = rows[0], rows[1:]  # one replica; two or more (a third may come up at the end)
     assert one["refused"] > 0, rows  # one replica could not take the rise
-    # with Serve routing around full replicas, few are refused once two serve (0.04-0.075 in
-    # two runs); without it (the control below), half were
-    assert most["streams"] >= 10 and most["refused_share"] <= 0.2, rows
-    assert most["refused_share"] < one["refused_share"] / 2, rows
+    streams, refused = sum(r["streams"] for r in more), sum(r["refused"] for r in more)
+    # with Serve routing around full replicas, few are refused once two serve (0.0-0.075 in
+    # three runs); without it (the control in the docstring), half were
+    assert streams >= 10 and refused / streams <= 0.2, rows
+    assert refused / streams < one["refused_share"] / 2, rows
 
     report = poll(sim.status, lambda r: len(r["replicas"]) == 1, 90, interval_s=1)
     assert [r["state"] for r in report["replicas"]] == ["RUNNING"], report
