@@ -340,7 +340,7 @@ autoscaling:
   max_replicas: 3
   target_ongoing_requests: 1
   upscale_delay_s: 4
-  downscale_delay_s: 4
+  downscale_delay_s: 2
   look_back_period_s: 2
   metrics_interval_s: 0.5
 num_gpus_per_replica: 1
@@ -405,7 +405,7 @@ def test_autoscaling_follows_a_load_ramp_across_nodes_and_back(sim: SimCluster,
 
     Refusals fall as replicas come up: a replica admits 4 requests (2 running, 2 waiting), Serve
     sends it no more (`max_ongoing_requests` 4, trying the other replicas first) and holds one
-    more (`max_queued_requests` 1). The load rises to 8 users over 18 s, then holds: more than
+    more (`max_queued_requests` 1). The load rises to 8 users over 16 s, then holds: more than
     one replica takes, fewer than two do. The summary counts every stream's end under the
     replica count serving then (`refusals_by_replicas`), refused or not; the refused share must
     be at most 0.2 while two or more served, and under half its share at one. Negative control,
@@ -422,7 +422,7 @@ def test_autoscaling_follows_a_load_ramp_across_nodes_and_back(sim: SimCluster,
 
     out = tmp_path / "load"
     load = sim.kvserve("loadtest", "--target", f"127.0.0.1:{sim.port}", "--users", "8",
-                       "--shape", "ramp-hold", "--run-time", "36s", "--workload", "short",
+                       "--shape", "ramp-hold", "--run-time", "32s", "--workload", "short",
                        "--out", str(out), "--json", timeout=200)
     assert load.returncode == 0, load.stdout[-2000:] + load.stderr[-3000:]
     summary = json.loads(load.stdout)
