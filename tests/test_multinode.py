@@ -420,8 +420,8 @@ def test_autoscaling_follows_a_load_ramp_across_nodes_and_back(sim: SimCluster,
     report = _settled_on_one_replica(sim)
     assert report["replicas"][0]["gpu_ids"] == ["0"], report
 
-    out = tmp_path / "load"
-    load = sim.kvserve("loadtest", "--target", f"127.0.0.1:{sim.port}", "--users", "8",
+    out, users = tmp_path / "load", 8
+    load = sim.kvserve("loadtest", "--target", f"127.0.0.1:{sim.port}", "--users", str(users),
                        "--shape", "ramp-hold", "--run-time", "32s", "--workload", "short",
                        "--out", str(out), "--json", timeout=200)
     assert load.returncode == 0, load.stdout[-2000:] + load.stderr[-3000:]
@@ -437,7 +437,7 @@ def test_autoscaling_follows_a_load_ramp_across_nodes_and_back(sim: SimCluster,
     # Locust's count (failures included) misses a stream that ends while it stops (after its
     # last stats): at most one per user. The refused ones match exactly.
     ended = sum(r["streams"] for r in rows)
-    assert summary["streams"] <= ended <= summary["streams"] + 8, (rows, summary["streams"])
+    assert summary["streams"] <= ended <= summary["streams"] + users, (rows, summary["streams"])
     assert sum(r["refused"] for r in rows) == summary["failures"].get("RESOURCE_EXHAUSTED", 0)
     assert summary["streams"] > 0
     one, more = rows[0], rows[1:]  # one replica; two or more (a third may come up at the end)
