@@ -10,7 +10,8 @@ from workers.config import EngineConfig
 
 
 def test_bench_speculative_reports_every_cell_with_identical_outputs(model_dir):
-    report = run_speculative_bench(EngineConfig(device="cpu"), output_len=24, requests=2,
+    requests = 2
+    report = run_speculative_bench(EngineConfig(device="cpu"), output_len=24, requests=requests,
                                    batch_sizes=(1, 2), progress=False)
     result = json.loads(json.dumps({k: v for k, v in report.items() if k != "summary"}))
     assert result["speculative_method"] == "ngram"  # the default when the flags name none
@@ -22,7 +23,13 @@ def test_bench_speculative_reports_every_cell_with_identical_outputs(model_dir):
         assert row["speedup"] > 0 and row["plain"]["draft_tokens"] == 0
     quoting = [r for r in result["rows"] if r["workload"] == "quoting_summaries"]
     assert all(r["speculative"]["accepted_tokens"] > 0 for r in quoting)  # it copies the text
-    assert "quoting_summaries" in report["summary"] and "mean len" in report["summary"]
+    assert all(r["lookup_ceiling"] > 1 for r in quoting)
+    for row in result["rows"]:  # the engine's own prompt lookup stays under the ceiling
+        spec = row["speculative"]
+        if row["batch"] == 1:  # one prefill step per request, then its decode steps
+            decode_per_step = (spec["output_tokens"] - requests) / (spec["steps"] - requests)
+            assert 1 <= decode_per_step <= row["lookup_ceiling"] + 1e-9, row
+    assert "quoting_summaries" in report["summary"] and "ceiling" in report["summary"]
 
 
 def test_cli_parses_bench_speculative():

@@ -13,12 +13,13 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
 from tests.helpers import assert_engine_idle, output_ids
 from workers.config import EngineConfig
-from workers.core.ngram_proposer import NgramProposer
+from workers.core.ngram_proposer import LookupCeiling, NgramProposer, lookup_ceiling
 from workers.engine import LLMEngine
 from workers.model_executor import rejection_sampler
 from workers.model_executor.tiny import synthetic_tokenizer, tiny_checkpoint
@@ -113,6 +114,53 @@ def test_prompt_lookup_copies_what_followed_the_longest_most_recent_match():
         NgramProposer(3, 2)
     with pytest.raises(ValueError, match="prompt_lookup_min"):
         EngineConfig(prompt_lookup_min=5, prompt_lookup_max=4)
+
+
+def test_the_lookup_ceiling_counts_the_fewest_steps_by_hand():
+    # the first output token comes from prefill; then 2 (in the prompt) is followed by 3 4 5:
+    # one step accepts 3 4 5 and adds 7 itself
+    c = lookup_ceiling([1, 2, 3, 4, 5], [2, 3, 4, 5, 7], k=4)
+    assert (c.decode_tokens, c.fewest_steps, c.tokens_per_step) == (4, 1, 4.0)
+    # k bounds a step: 2 drafts, then 2 more
+    assert lookup_ceiling([1, 2, 3, 4, 5], [2, 3, 4, 5, 7], k=2).fewest_steps == 2
+    # nothing recurs: one token per step
+    assert lookup_ceiling([1, 2, 3], [4, 5, 6, 7], k=4).tokens_per_step == 1.0
+    # the oracle picks the right one of two occurrences of 9 (a proposer taking the most recent
+    # would draft 8): 9 -> 1 2 3, then 3 ends and "6" is the step's own token
+    assert lookup_ceiling([9, 1, 2, 3, 0, 9, 8], [9, 1, 2, 3, 6], k=4).fewest_steps == 1
+    # a draft may be the last token itself (EOS ends the request inside an accepted run)
+    assert lookup_ceiling([5, 6, 7], [5, 6, 7], k=4).fewest_steps == 1
+    assert lookup_ceiling([1], [2], k=4) == LookupCeiling(0, 0)
+
+
+@pytest.mark.parametrize("min_n,max_n,k", [(1, 1, 4), (2, 4, 4), (1, 3, 2), (3, 3, 6)])
+def test_no_prompt_lookup_proposer_beats_the_lookup_ceiling(min_n, max_n, k):
+    """The ceiling is a bound: on random token streams that repeat themselves (a vocabulary of
+    6), prompt lookup at fixed k and with the engine's adaptive k never takes fewer steps.
+    Negative control: the ceiling is reached on some streams and not on others (it is not
+    merely a loose number), and it is above one token per step."""
+    gen = np.random.default_rng(0)
+    proposer = NgramProposer(min_n, max_n)
+    reached = beaten = 0
+    for _ in range(60):
+        prompt = gen.integers(0, 6, size=int(gen.integers(2, 30))).tolist()
+        output = gen.integers(0, 6, size=int(gen.integers(2, 40))).tolist()
+        ceiling = lookup_ceiling(prompt, output, k)
+        for adaptive in (False, True):
+            n, steps, want = 1, 0, k
+            while n < len(output):
+                drafts = proposer.lookup(prompt + output[:n], min(want, len(output) - n))
+                accepted = 0
+                while accepted < len(drafts) and drafts[accepted] == output[n + accepted]:
+                    accepted += 1
+                n, steps = n + accepted + 1, steps + 1
+                if adaptive and drafts:  # the engine's schedule (workers/engine.py)
+                    want = min(k, len(drafts) + 2) if accepted == len(drafts) else max(
+                        1, len(drafts) - 1)
+            assert steps >= ceiling.fewest_steps, (prompt, output)
+            reached += steps == ceiling.fewest_steps
+            beaten += steps > ceiling.fewest_steps
+    assert reached and beaten
 
 
 # -- exactness: the same tokens, greedy and seeded ------------------------------------------------

@@ -32,6 +32,7 @@ from evals.factuality.grounded import make_table, prompt_for
 from kvserve.bench.baselines import weights_read_seconds
 from kvserve.bench.common import greedy_params
 from workers.config import EngineConfig
+from workers.core.ngram_proposer import lookup_ceiling
 from workers.core.outputs import SpecDecodeStats
 from workers.engine import LLMEngine
 from workers.model_executor.loader import load_checkpoint
@@ -228,11 +229,25 @@ def run_speculative_bench(config: EngineConfig, output_len: int = 128, repeats: 
         results.setdefault(name, {})[batch] = best
     bar.close()
     read_ms = weights_read_seconds(engines["plain"].model) * 1000
-    return _report(results, config, output_len, read_ms)
+    ceilings = {name: _lookup_ceiling(engines["plain"], work[name],
+                                      next(iter(results[name].values()))["plain"].outputs,
+                                      config.num_speculative_tokens) for name in work}
+    return _report(results, config, output_len, read_ms, ceilings)
+
+
+def _lookup_ceiling(engine: LLMEngine, conversations: list[list[dict[str, str]]],
+                    outputs: list[list[int]], k: int) -> float:
+    """Decode tokens per step that the best conceivable prompt-lookup proposer would reach on
+    these greedy outputs (`lookup_ceiling`): at batch 1 no prompt-lookup proposer's decode
+    speedup can exceed it, since a verifying step costs at least a plain one."""
+    found = [lookup_ceiling(engine.tokenize(messages=m), out, k)
+             for m, out in zip(conversations, outputs, strict=True)]
+    steps = sum(c.fewest_steps for c in found)
+    return sum(c.decode_tokens for c in found) / steps if steps else 1.0
 
 
 def _report(results: dict[str, dict[int, dict[str, Run]]], config: EngineConfig,
-            output_len: int, read_ms: float) -> dict[str, Any]:
+            output_len: int, read_ms: float, ceilings: dict[str, float]) -> dict[str, Any]:
     rows = []
     for name, by_batch in results.items():
         for batch, runs in by_batch.items():
@@ -246,6 +261,9 @@ def _report(results: dict[str, dict[int, dict[str, Run]]], config: EngineConfig,
                 # batch 1: tokens per read of the weights (one per step without speculation)
                 "tokens_per_step": spec.tokens / spec.steps,
                 "spec_ms_per_step": spec.seconds * 1000 / spec.steps,
+                # the most decode tokens per step any prompt-lookup proposer could write on
+                # these outputs: at batch 1, a ceiling on its decode speedup
+                "lookup_ceiling": ceilings[name],
             })
     report = {"rows": rows, "weights_read_ms": read_ms, "output_len": output_len,
               "speculative_method": config.speculative_method,
@@ -263,18 +281,23 @@ def summarize(report: dict[str, Any]) -> str:
              f"{report['output_len']} tokens; reading the weights once: "
              f"{report['weights_read_ms']:.1f} ms",
              f"{'workload':<18} {'batch':>5} {'plain tok/s':>11} {'spec tok/s':>10} "
-             f"{'speedup':>7} {'decode x':>8} {'accept':>6} {'mean len':>8} {'same':>5}"]
+             f"{'speedup':>7} {'decode x':>8} {'ceiling':>7} {'accept':>6} {'mean len':>8} "
+             f"{'same':>5}"]
     for r in report["rows"]:
         s = r["speculative"]
+        ceiling = f"{r['lookup_ceiling']:.2f}x" if r["batch"] == 1 else "-"  # a bound at 1
         rate = s["acceptance_rate"]
         mean = s["mean_accepted_length"]
         lines.append(
             f"{r['workload']:<18} {r['batch']:>5} {r['plain']['tok_s']:>11.1f} "
             f"{s['tok_s']:>10.1f} {r['speedup']:>6.2f}x {r['decode_speedup']:>7.2f}x "
+            f"{ceiling:>7} "
             f"{'-' if rate is None else f'{rate:.2f}':>6} "
             f"{'-' if mean is None else f'{mean:.2f}':>8} "
             f"{'yes' if r['outputs_identical'] else 'NO':>5}")
     lines.append("speedup: output tok/s end to end (prefill included); decode x: from each "
-                 "request's first token to its last; accept: accepted / draft tokens; mean "
-                 "len: tokens a verifying step emits per request")
+                 "request's first token to its last; ceiling: decode tokens per step of the "
+                 "best conceivable prompt-lookup proposer on these outputs (at batch 1 no "
+                 "prompt-lookup proposer's decode x exceeds it); accept: accepted / draft "
+                 "tokens; mean len: tokens a verifying step emits per request")
     return "\n".join(lines)
