@@ -4,6 +4,7 @@ thread count of everything it starts, and the new-user environment's own temp di
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -60,3 +61,38 @@ def test_each_new_user_gets_an_empty_short_temp_dir_of_its_own(tmp_path):
     seen = subprocess.run([sys.executable, "-c", "import tempfile; print(tempfile.gettempdir())"],
                           capture_output=True, text=True, env=first, check=True)
     assert seen.stdout.strip() == str(one)  # what its processes make in "/tmp" lands there
+
+
+# A project whose conftest groups tests as tests/conftest.py does: `xdist_group` marks added at
+# collection, two modules in one group, a third module free.
+GROUPED_PROJECT = {
+    "conftest.py": "import pytest\n\n\n@pytest.hookimpl(tryfirst=True)\n"
+                   "def pytest_collection_modifyitems(config, items):\n"
+                   "    for item in items:\n"
+                   "        if 'test_free' not in item.nodeid:\n"
+                   "            item.add_marker(pytest.mark.xdist_group('together'))\n",
+    **{f"test_{name}.py": "".join(f"def test_{i}():\n    pass\n\n\n" for i in range(4))
+       for name in ("one", "two", "free")},
+}
+
+
+def test_xdist_hands_a_group_to_one_worker_with_the_installed_pytest(tmp_path):
+    """The suite's speed rests on `--dist loadgroup` handing each group whole to one worker
+    (a module's engine or cluster made once, the shared cluster started once). With pytest
+    9.2.0 and pytest-xdist 3.8.0 it silently stopped doing so (pytest-dev/pytest-xdist#1386:
+    xdist writes the group into `item._nodeid`, which pytest 9.2 no longer reads): the multinode
+    module's 3-node cluster was started twice in CI, once on each worker. pyproject.toml pins
+    pytest below 9.2; this runs the installed pair on a small grouped project and fails if a
+    group is split (it fails on pytest 9.2.0)."""
+    for name, text in GROUPED_PROJECT.items():
+        (tmp_path / name).write_text(text)
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PYTEST_XDIST", "PYTEST_ADDOPTS"))}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-n", "2", "--dist", "loadgroup",
+                          "-v", "-p", "no:cacheprovider", "-p", "no:timeout"],
+                         cwd=tmp_path, capture_output=True, text=True, env=env, timeout=120)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    ran = re.findall(r"\[(gw\d+)\] \[ *\d+%\] PASSED (test_\w+)\.py", run.stdout)
+    assert len(ran) == 12, run.stdout[-3000:]
+    grouped = {worker for worker, module in ran if module != "test_free"}
+    assert len(grouped) == 1, ran  # the group's 8 tests on one worker
