@@ -20,8 +20,9 @@ import torch
 from tests.helpers import assert_engine_idle, output_ids
 from workers.config import EngineConfig
 from workers.core.ngram_proposer import LookupCeiling, NgramProposer, lookup_ceiling
-from workers.engine import LLMEngine
+from workers.engine import LLMEngine, _next_spec_len
 from workers.model_executor import rejection_sampler
+from workers.model_executor.rejection_sampler import Verified
 from workers.model_executor.tiny import synthetic_tokenizer, tiny_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -154,9 +155,9 @@ def test_no_prompt_lookup_proposer_beats_the_lookup_ceiling(min_n, max_n, k):
                 while accepted < len(drafts) and drafts[accepted] == output[n + accepted]:
                     accepted += 1
                 n, steps = n + accepted + 1, steps + 1
-                if adaptive and drafts:  # the engine's schedule (workers/engine.py)
-                    want = min(k, len(drafts) + 2) if accepted == len(drafts) else max(
-                        1, len(drafts) - 1)
+                if adaptive and drafts:  # the engine's own schedule
+                    want = _next_spec_len(Verified([], num_drafts=len(drafts),
+                                                   num_accepted=accepted), k)
             assert steps >= ceiling.fewest_steps, (prompt, output)
             reached += steps == ceiling.fewest_steps
             beaten += steps > ceiling.fewest_steps
