@@ -194,7 +194,11 @@ class CacheAwareRouter(RequestRouter):
         self._block_size: int | None = None
         # one thread: tokenizer calls never overlap, and the load runs before them
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvserve-router")
-        self._tokenizer_future: Future | None = None
+        # Loaded from now, not from the first text prompt: Serve makes the proxy's router when
+        # the deployment's replicas are announced, so the load (importing transformers, ~4 s
+        # of a busy proxy's GIL) is over before traffic comes
+        self._tokenizer_future: Future = self._executor.submit(_load_tokenizer, self._model)
+        self._tokenizer_future.add_done_callback(_log_tokenizer_failure)
         self._hash_memo: OrderedDict[str, tuple[int, list[str]]] = OrderedDict()
 
     async def choose_replicas(
@@ -287,11 +291,8 @@ class CacheAwareRouter(RequestRouter):
         return hashes
 
     async def _tokenizer(self) -> Any:
-        """The model's tokenizer, loaded once in the router's thread; None while it is still
-        loading past `tokenizer_wait_s`, or if it failed to load."""
-        if self._tokenizer_future is None:
-            self._tokenizer_future = self._executor.submit(_load_tokenizer, self._model)
-            self._tokenizer_future.add_done_callback(_log_tokenizer_failure)
+        """The model's tokenizer, loaded once in the router's thread (from its creation); None
+        while it is still loading past `tokenizer_wait_s`, or if it failed to load."""
         future = self._tokenizer_future
         if not future.done():
             await asyncio.wait([asyncio.wrap_future(future)], timeout=self._tokenizer_wait_s)
