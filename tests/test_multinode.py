@@ -405,8 +405,10 @@ def test_autoscaling_follows_a_load_ramp_across_nodes_and_back(sim: SimCluster,
 
     Refusals fall as replicas come up: a replica admits 4 requests (2 running, 2 waiting), Serve
     sends it no more (`max_ongoing_requests` 4, trying the other replicas first) and holds one
-    more (`max_queued_requests` 1). The load rises to 8 users over 16 s, then holds: more than
-    one replica takes, fewer than two do. The summary counts every stream's end under the
+    more (`max_queued_requests` 1). The load rises to 8 users over 20 s, then holds: more than
+    one replica takes, fewer than two do. (20 s of hold: a new replica took 12-30 s to come up
+    here, 9.5 s of it the worker process starting, and a 16 s hold left a CI run only 9 streams
+    with two replicas.) The summary counts every stream's end under the
     replica count serving then (`refusals_by_replicas`), refused or not; the refused share must
     be at most 0.2 while two or more served, and under half its share at one. Negative control,
     measured by hand (2026-12-03, these settings less the two Serve limits, so Serve's default
@@ -422,7 +424,7 @@ def test_autoscaling_follows_a_load_ramp_across_nodes_and_back(sim: SimCluster,
 
     out, users = tmp_path / "load", 8
     load = sim.kvserve("loadtest", "--target", f"127.0.0.1:{sim.port}", "--users", str(users),
-                       "--shape", "ramp-hold", "--run-time", "32s", "--workload", "short",
+                       "--shape", "ramp-hold", "--run-time", "40s", "--workload", "short",
                        "--out", str(out), "--json", timeout=200)
     assert load.returncode == 0, load.stdout[-2000:] + load.stderr[-3000:]
     summary = json.loads(load.stdout)
