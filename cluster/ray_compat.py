@@ -55,7 +55,7 @@ INTERNALS: tuple[tuple[str, str], ...] = (
     ("ray._private.ray_constants", "PROMETHEUS_SERVICE_DISCOVERY_FILE"),
 )
 # Attributes Serve sets on each RequestRouter instance (not on the class), used below.
-ROUTER_INSTANCE_ATTRS = ("_deployment_id", "_use_replica_queue_len_cache")
+ROUTER_INSTANCE_ATTRS = ("_deployment_id", "_use_replica_queue_len_cache", "_handle_source")
 
 
 # A resource every Ray head node has, and no other node: asking for a sliver of it pins an actor
@@ -216,6 +216,16 @@ def queue_len_cache_enabled(router: Any) -> bool:
     return bool(router._use_replica_queue_len_cache)
 
 
+def routes_for_a_proxy(router: Any) -> bool:
+    """Whether a `RequestRouter` routes for one of Serve's proxies (not a driver's or a
+    replica's handle).
+
+    Why: only a proxy's router will route client traffic for sure, so only there is loading the
+    tokenizer ahead of the first request worth its cost. Serve constructs the router with its
+    `handle_source` but keeps it in `_handle_source` only."""
+    return getattr(router._handle_source, "value", None) == "PROXY"
+
+
 async def probe_queue_lens(router: Any, replicas: list[Any]) -> list[tuple[Any, int | None]]:
     """(replica, its ongoing requests or None when it did not answer in time), asking each.
 
@@ -262,15 +272,17 @@ def is_replica_death(code: Any, details: str | None) -> bool:
 
 # -- for tests: Serve's router and requests, built outside Serve ------------------------------
 def new_request_router(cls: type, app_name: str, deployment_name: str, *,
-                       use_queue_len_cache: bool = True, node_id: str = "node") -> Any:
-    """A `RequestRouter` subclass instance, constructed as Serve constructs it in a handle.
+                       use_queue_len_cache: bool = True, node_id: str = "node",
+                       handle_source: str = "UNKNOWN") -> Any:
+    """A `RequestRouter` subclass instance, constructed as Serve constructs it in a handle
+    (`handle_source`: "UNKNOWN" as in a driver, "PROXY" as in Serve's proxies, "REPLICA").
 
     Why: tests drive the router through Serve's own routing loop without a cluster; the
     constructor's arguments (`DeploymentID`, `DeploymentHandleSource`) are Serve-private."""
     from ray.serve._private.common import DeploymentHandleSource
 
     return cls(deployment_id=deployment_id(app_name, deployment_name),
-               handle_source=DeploymentHandleSource.UNKNOWN,
+               handle_source=DeploymentHandleSource(handle_source),
                use_replica_queue_len_cache=use_queue_len_cache, self_node_id=node_id,
                prefer_local_node_routing=True)
 

@@ -44,7 +44,12 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 
 from cache_manager.actor import deployment_key
 from cluster.convert import prompt_input
-from cluster.ray_compat import probe_queue_lens, queue_len_cache_enabled, routed_deployment
+from cluster.ray_compat import (
+    probe_queue_lens,
+    queue_len_cache_enabled,
+    routed_deployment,
+    routes_for_a_proxy,
+)
 from kvserve.v1 import generation_pb2 as pb
 from workers.core.inputs import to_token_ids
 from workers.core.prefix_hash import extend_block_hashes
@@ -194,11 +199,13 @@ class CacheAwareRouter(RequestRouter):
         self._block_size: int | None = None
         # one thread: tokenizer calls never overlap, and the load runs before them
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvserve-router")
-        # Loaded from now, not from the first text prompt: Serve makes the proxy's router when
-        # the deployment's replicas are announced, so the load (importing transformers, ~4 s
-        # of a busy proxy's GIL) is over before traffic comes
-        self._tokenizer_future: Future = self._executor.submit(_load_tokenizer, self._model)
-        self._tokenizer_future.add_done_callback(_log_tokenizer_failure)
+        self._tokenizer_future: Future | None = None
+        # In a proxy, loaded from now: Serve makes the proxy's router when the deployment's
+        # replicas are announced, so the load (importing transformers: ~4 s of a busy proxy's
+        # GIL, which held a fresh deployment's first requests as long) is over before traffic
+        # comes. Elsewhere (a driver's `kvserve cache check`) only once a text prompt needs it.
+        if routes_for_a_proxy(self):
+            self._load_tokenizer_soon()
         self._hash_memo: OrderedDict[str, tuple[int, list[str]]] = OrderedDict()
 
     async def choose_replicas(
@@ -291,14 +298,20 @@ class CacheAwareRouter(RequestRouter):
         return hashes
 
     async def _tokenizer(self) -> Any:
-        """The model's tokenizer, loaded once in the router's thread (from its creation); None
-        while it is still loading past `tokenizer_wait_s`, or if it failed to load."""
-        future = self._tokenizer_future
+        """The model's tokenizer, loaded once in the router's thread; None while it is still
+        loading past `tokenizer_wait_s`, or if it failed to load."""
+        future = self._load_tokenizer_soon()
         if not future.done():
             await asyncio.wait([asyncio.wrap_future(future)], timeout=self._tokenizer_wait_s)
         if not future.done() or future.exception() is not None:
             return None
         return future.result()
+
+    def _load_tokenizer_soon(self) -> Future:
+        if self._tokenizer_future is None:
+            self._tokenizer_future = self._executor.submit(_load_tokenizer, self._model)
+            self._tokenizer_future.add_done_callback(_log_tokenizer_failure)
+        return self._tokenizer_future
 
     # -- the cache manager -----------------------------------------------------------------
     async def _ask(self, method: str, *args: Any) -> Any:

@@ -194,7 +194,7 @@ class _Replica:
         return self.queue_len
 
 
-def _router(use_queue_len_cache: bool = True) -> Any:
+def _router(use_queue_len_cache: bool = True, handle_source: str = "UNKNOWN") -> Any:
     from ray.serve.request_router import RequestRouter
 
     class FirstRouter(RequestRouter):
@@ -202,7 +202,8 @@ def _router(use_queue_len_cache: bool = True) -> Any:
             return [candidate_replicas[:1]]
 
     return ray_compat.new_request_router(FirstRouter, "app", "Dep",
-                                         use_queue_len_cache=use_queue_len_cache)
+                                         use_queue_len_cache=use_queue_len_cache,
+                                         handle_source=handle_source)
 
 
 def test_the_router_internals_the_cache_aware_router_reads():
@@ -213,6 +214,9 @@ def test_the_router_internals_the_cache_aware_router_reads():
     assert ray_compat.routed_deployment(router) == ("app", "Dep")
     assert ray_compat.queue_len_cache_enabled(router) is True
     assert ray_compat.queue_len_cache_enabled(_router(use_queue_len_cache=False)) is False
+    assert ray_compat.routes_for_a_proxy(_router(handle_source="PROXY")) is True
+    assert not ray_compat.routes_for_a_proxy(router)
+    assert not ray_compat.routes_for_a_proxy(_router(handle_source="REPLICA"))
 
     async def run() -> None:
         replicas = [_Replica("a", 3), _Replica("b", 0)]
@@ -231,6 +235,17 @@ def test_the_router_internals_the_cache_aware_router_reads():
         assert chosen.replica_id.unique_id == "a"
 
     asyncio.run(run())
+
+
+def test_serve_proxies_make_their_routers_early_and_say_they_are_a_proxy():
+    """The cache-aware router loads its tokenizer at creation only where `routes_for_a_proxy`;
+    that pays only because a proxy initializes its handle (and so its router) when the route
+    table arrives, before any request, as the proxy's handle source."""
+    from ray.serve._private import default_impl
+
+    source = inspect.getsource(default_impl.get_proxy_handle)
+    if "handle._init(" not in source or "_source=DeploymentHandleSource.PROXY" not in source:
+        pytest.fail(missing("get_proxy_handle initializing the handle with the PROXY source"))
 
 
 def test_the_grpc_proxy_builds_handlers_through_the_factory_kvserve_wraps():

@@ -269,9 +269,9 @@ def use_manager(monkeypatch: pytest.MonkeyPatch, manager: Any,
 
 @pytest.fixture(autouse=True)
 def _no_tokenizer(monkeypatch):
-    """A router starts loading its tokenizer when it is created; here it gets none (text
-    prompts route on load), unless a test puts a loader back, so that the 17 routers these
-    tests make do not each load the real one."""
+    """The routers here get no tokenizer (text prompts route on load) unless a test puts a
+    loader back, so that a proxy's router, which starts loading one when it is made, does not
+    load the real one."""
     patch_router(monkeypatch, "_load_tokenizer", lambda model: None)
 
 
@@ -487,11 +487,14 @@ def test_a_tokenizer_still_loading_does_not_hold_routing(monkeypatch, tokenizer)
     asyncio.run(run())
 
 
-def test_the_tokenizer_loads_from_the_routers_creation_not_its_first_request(monkeypatch):
-    """Serve creates the proxy's router when the deployment's replicas are announced, before
-    any request. Loading the tokenizer (importing transformers) then, not at the first text
-    prompt, kept a fresh deployment's first requests from waiting ~4 s for it in the proxy:
-    under CI load a burst of 48 users saw its refusals come back after 11 s, not 0.3 s."""
+def test_a_proxys_router_loads_the_tokenizer_from_its_creation_others_at_the_first_prompt(
+        monkeypatch):
+    """Serve creates a proxy's router when the deployment's replicas are announced, before any
+    request. Loading the tokenizer (importing transformers) there and then, not at the first
+    text prompt, kept a fresh deployment's first requests from waiting ~4 s for it in the
+    proxy: under CI load a burst of 48 users saw its refusals come back after 11 s, not 0.3 s.
+    A driver's router (`kvserve cache check`) loads none unless a text prompt needs it: the
+    load would keep the command from exiting for seconds."""
     started = []
 
     def load(model: str | None) -> Any:
@@ -499,13 +502,23 @@ def test_the_tokenizer_loads_from_the_routers_creation_not_its_first_request(mon
         return None
 
     patch_router(monkeypatch, "_load_tokenizer", load)
+    use_manager(monkeypatch, FakeManager({"a": HASHES}))
+    in_proxy = [True]  # ray_compat.routes_for_a_proxy (tests/test_ray_compat.py), in a proxy
+    patch_router(monkeypatch, "routes_for_a_proxy", lambda router: in_proxy[0])
 
     async def run() -> None:
-        router = make_router([FakeReplica("a", 0)], model="some-model")
-        await asyncio.wait_for(asyncio.wrap_future(router._tokenizer_future), 10)
-        assert started == ["some-model"]  # no request was routed
-        await route(router, pb.GenerateRequest(prompt="hello"))
-        assert started == ["some-model"]  # and the first one does not load it again
+        proxy = make_router([FakeReplica("a", 0)], model="m")
+        in_proxy[0] = False
+        await asyncio.wait_for(asyncio.wrap_future(proxy._tokenizer_future), 10)
+        assert started == ["m"]  # no request was routed
+        await route(proxy, pb.GenerateRequest(prompt="hello"))
+        assert started == ["m"]  # and the first one does not load it again
+
+        driver = make_router([FakeReplica("a", 0)], model="d")
+        await route(driver, ids_request(PROMPT))  # token ids: no tokenizer needed
+        assert driver._tokenizer_future is None and started == ["m"]
+        await route(driver, pb.GenerateRequest(prompt="hello"), rid="2")
+        assert started == ["m", "d"]
 
     asyncio.run(run())
 
