@@ -32,7 +32,7 @@ from evals.factuality.grounded import make_table, prompt_for
 from kvserve.bench.baselines import weights_read_seconds
 from kvserve.bench.common import greedy_params
 from workers.config import EngineConfig
-from workers.core.ngram_proposer import lookup_ceiling
+from workers.core.ngram_proposer import LookupCeiling, lookup_ceiling
 from workers.core.outputs import SpecDecodeStats
 from workers.engine import LLMEngine
 from workers.model_executor.loader import load_checkpoint
@@ -242,8 +242,8 @@ def _lookup_ceiling(engine: LLMEngine, conversations: list[list[dict[str, str]]]
     speedup can exceed it, since a verifying step costs at least a plain one."""
     found = [lookup_ceiling(engine.tokenize(messages=m), out, k)
              for m, out in zip(conversations, outputs, strict=True)]
-    steps = sum(c.fewest_steps for c in found)
-    return sum(c.decode_tokens for c in found) / steps if steps else 1.0
+    return LookupCeiling(sum(c.decode_tokens for c in found),
+                         sum(c.fewest_steps for c in found)).tokens_per_step
 
 
 def _report(results: dict[str, dict[int, dict[str, Run]]], config: EngineConfig,
