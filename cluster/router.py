@@ -63,7 +63,8 @@ GENERATE_METHOD = "Generate"
 DEFAULT_IMBALANCE_THRESHOLD = 8.0
 DEFAULT_MANAGER_TIMEOUT_S = 0.5  # per call to the cache manager; past it, route on load
 DEFAULT_MANAGER_RETRY_S = 5.0  # after a failure, look the manager up again no sooner
-DEFAULT_TOKENIZER_WAIT_S = 10.0  # a request waits this long at most for the tokenizer's load
+# requests wait for the tokenizer until this long after its load began (one deadline for all)
+DEFAULT_TOKENIZER_WAIT_S = 10.0
 _ANY_VOCAB = 2**31  # ids are int32; the replica checks them against the real vocabulary
 _HASH_MEMO_SIZE = 1024  # requests whose hashes are kept for their retries
 
@@ -200,6 +201,7 @@ class CacheAwareRouter(RequestRouter):
         # one thread: tokenizer calls never overlap, and the load runs before them
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvserve-router")
         self._tokenizer_future: Future | None = None
+        self._tokenizer_deadline = 0.0  # requests wait for the load until then (monotonic)
         # In a proxy, loaded from now: Serve makes the proxy's router when the deployment's
         # replicas are announced, so the load (importing transformers: ~4 s of a busy proxy's
         # GIL, which held a fresh deployment's first requests as long) is over before traffic
@@ -299,16 +301,21 @@ class CacheAwareRouter(RequestRouter):
 
     async def _tokenizer(self) -> Any:
         """The model's tokenizer, loaded once in the router's thread; None while it is still
-        loading past `tokenizer_wait_s`, or if it failed to load."""
+        loading `tokenizer_wait_s` after the load began, or if it failed to load.
+
+        The wait ends at one deadline for all requests, counted from the load's start: a slow
+        or hung load holds routing once, by at most that, not every request by that much."""
         future = self._load_tokenizer_soon()
-        if not future.done():
-            await asyncio.wait([asyncio.wrap_future(future)], timeout=self._tokenizer_wait_s)
+        wait_s = self._tokenizer_deadline - time.monotonic()
+        if not future.done() and wait_s > 0:
+            await asyncio.wait([asyncio.wrap_future(future)], timeout=wait_s)
         if not future.done() or future.exception() is not None:
             return None
         return future.result()
 
     def _load_tokenizer_soon(self) -> Future:
         if self._tokenizer_future is None:
+            self._tokenizer_deadline = time.monotonic() + self._tokenizer_wait_s
             self._tokenizer_future = self._executor.submit(_load_tokenizer, self._model)
             self._tokenizer_future.add_done_callback(_log_tokenizer_failure)
         return self._tokenizer_future

@@ -10,6 +10,7 @@ import math
 import pickle
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -485,6 +486,37 @@ def test_a_tokenizer_still_loading_does_not_hold_routing(monkeypatch, tokenizer)
         assert await route(router, pb.GenerateRequest(prompt=prompt), rid="2") == "a"
 
     asyncio.run(run())
+
+
+def test_a_hung_tokenizer_load_holds_routing_once_not_every_request(monkeypatch, tokenizer):
+    """Requests wait for the tokenizer until one deadline, `tokenizer_wait_s` after its load
+    began. With a wait per request, a load that never ends (a stuck import, a lock held by
+    another process) made every request of the deployment wait the whole `tokenizer_wait_s`:
+    48 users of a burst got their refusals after 10 s."""
+    release = threading.Event()
+
+    def hung_load(model: str | None) -> Any:
+        release.wait(60)
+        return tokenizer
+
+    patch_router(monkeypatch, "_load_tokenizer", hung_load)
+    use_manager(monkeypatch, FakeManager({"a": HASHES}))
+
+    async def run() -> list[float]:
+        router = make_router([FakeReplica("a", 1), FakeReplica("b", 0)], tokenizer_wait_s=0.5)
+        took = []
+        for rid in "123":
+            start = time.monotonic()
+            assert await route(router, pb.GenerateRequest(prompt="hello"), rid=rid) == "b"
+            took.append(time.monotonic() - start)
+        return took
+
+    try:
+        first, *later = asyncio.run(run())
+    finally:
+        release.set()
+    assert first >= 0.45, first  # the first request waited for the load, up to the deadline
+    assert max(later) < 0.2, later  # past it, the others route on load at once
 
 
 def test_a_proxys_router_loads_the_tokenizer_from_its_creation_others_at_the_first_prompt(
