@@ -109,9 +109,9 @@ def test_overload_refuses_fast_keeps_the_admitted_and_leaves_nothing_behind(tmp_
     assert refused["p99"] < 0.1 * deadline_s * 1000, (refused, timeline)
     # refused again after backoff
     assert summary["failures"]["RESOURCE_EXHAUSTED"] > 48, (summary["failures"], timeline)
-    rows = {r["Name"]: r for r in csv.DictReader((tmp_path / "locust_stats.csv").open())}
-    completed = int(rows["stream"]["Request Count"]) - int(rows["stream"]["Failure Count"])
-    assert completed >= 8 and summary["output_tokens"] > 0, summary  # admitted ones finish
+    # admitted ones finish (within Locust's stop timeout, after the run time)
+    completed = summary["streams"] - sum(summary["failures"].values())
+    assert completed >= 8 and summary["output_tokens"] > 0, (completed, timeline)
     assert status == {"running": 0, "waiting": 0, "kv_cache_usage": 0}, status
 
 

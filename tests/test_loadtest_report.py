@@ -120,6 +120,21 @@ def test_summary_takes_ttft_and_itl_percentiles_from_the_raw_samples(tmp_path):
     assert none.ttft_p99_ms is None and none.itl_p50_ms is None
 
 
+def test_summary_counts_every_stream_that_ended_not_locusts_early_csv(tmp_path):
+    """Locust writes its CSVs when the run time is up, before the streams still running end
+    within its stop timeout; the locustfile records every end. Under load the CSV missed
+    admitted streams (210 streams and 7 completed, where 213 and 10 ended)."""
+    (tmp_path / "locust_stats.csv").write_text(LOCUST_STATS)  # its stream row: 4 requests
+    cfg = LoadtestConfig(target="h:1", out=tmp_path, run_time_s=8)
+    ends = [[100.5, "RESOURCE_EXHAUSTED"]] * 3 + [[104.0, "OK"]] * 2 + [[110.0, "OK"]]
+    totals = {"output_tokens": 60, "start": 100.0, "ends": ends,
+              "failure_ms": {"RESOURCE_EXHAUSTED": [20.0, 30.0, 40.0]}}
+    s = summarize(cfg, totals, elapsed_s=12.0)
+    assert (s.streams, s.requests_per_s, s.failures) == (6, 0.6, {"RESOURCE_EXHAUSTED": 3})
+    old = summarize(cfg, {"output_tokens": 60}, elapsed_s=12.0)  # an older locustfile: the CSV
+    assert old.streams == 4
+
+
 def test_the_watch_counts_replicas_and_the_load_plot_shows_them_with_users_and_refusals(
         tmp_path):
     """Autoscaling's record (#21): the replica count each time the watch samples, the users and

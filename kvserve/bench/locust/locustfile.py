@@ -68,7 +68,8 @@ BACKOFF_S = float(os.environ.get("KVSERVE_BACKOFF_S", "0.5"))
 RETRYABLE = {"RESOURCE_EXHAUSTED", "UNAVAILABLE", "HTTP_429", "HTTP_503"}
 # failure_ms: status -> [ms]; ttft_ms: one sample per stream; itl_ms: one per token after the
 # first message's (k tokens after a gap g: k samples of g / k, as `kvserve bench serve` counts);
-# ends: [unix time, "OK" or the failure's status] per stream, for outcomes over time
+# ends: [unix time, "OK" or the failure's status] per stream, for outcomes over time; start: the
+# run's unix time
 TOTALS: dict = {"output_tokens": 0, "streams": 0, "failure_ms": {}, "ttft_ms": [], "itl_ms": [],
                 "ends": []}
 _USER_NUMBERS = itertools.count()  # seeds users by spawn order, so runs repeat
@@ -250,6 +251,11 @@ class MultiTurnUser(KvserveUser):
     @task
     def next_turn(self) -> None:
         self.conversation.answered(self.stream(self.conversation.next_request()))
+
+
+@events.test_start.add_listener
+def _started(environment, **_kwargs) -> None:
+    TOTALS["start"] = round(time.time(), 3)  # for the rate of `ends`
 
 
 @events.quitting.add_listener
