@@ -104,7 +104,7 @@ def test_overload_refuses_fast_keeps_the_admitted_and_leaves_nothing_behind(tmp_
         assert served.stream("Hello", max_tokens=4)[-1].finish_reason == pb.FINISH_REASON_LENGTH
     assert set(summary["failures"]) == {"RESOURCE_EXHAUSTED"}, summary["failures"]
     refused = summary["failure_latency_ms"]["RESOURCE_EXHAUSTED"]
-    # each second: [seconds in, users, streams ended so far]
+    # each second: [seconds in, users, failures so far] (`kvserve.bench.loadtest.load_history`)
     timeline = summary["load_over_time"][:12]
     assert refused["p99"] < 0.1 * deadline_s * 1000, (refused, timeline)
     # refused again after backoff

@@ -121,6 +121,7 @@ def summarize(cfg: LoadtestConfig, totals: dict, elapsed_s: float) -> LoadtestSu
     rows = {r["Name"]: r for r in _read_csv(cfg.out / "locust_stats.csv")}
     stream, ttft, itl = rows.get("stream", {}), rows.get("TTFT", {}), rows.get("ITL", {})
     ttft_ms, itl_ms = totals.get("ttft_ms"), totals.get("itl_ms")
+    failure_ms = totals.get("failure_ms")  # status -> [ms], one per failed stream
     run_time = min(elapsed_s, cfg.run_time_s) if cfg.run_time_s else elapsed_s
     streams, requests_per_s = _stream_counts(totals, stream)
     return LoadtestSummary(
@@ -129,10 +130,10 @@ def summarize(cfg: LoadtestConfig, totals: dict, elapsed_s: float) -> LoadtestSu
         output_tokens_per_s=totals["output_tokens"] / run_time if run_time else 0.0,
         ttft_p50_ms=_quantile(ttft_ms, 50, ttft), ttft_p99_ms=_quantile(ttft_ms, 99, ttft),
         itl_p50_ms=_quantile(itl_ms, 50, itl), itl_p99_ms=_quantile(itl_ms, 99, itl),
-        failures=({status: len(ms) for status, ms in sorted(totals["failure_ms"].items())}
-                  if "failure_ms" in totals else _failures(cfg.out / "locust_failures.csv")),
+        failures=({status: len(ms) for status, ms in sorted(failure_ms.items())}
+                  if failure_ms is not None else _failures(cfg.out / "locust_failures.csv")),
         failure_latency_ms={status: _latency_stats(ms)
-                            for status, ms in sorted(totals.get("failure_ms", {}).items())},
+                            for status, ms in sorted((failure_ms or {}).items())},
         files=[str(cfg.out / n) for n in ("locust_stats.csv", "locust_stats_history.csv",
                                           "locust_failures.csv", "report.html")])
 
