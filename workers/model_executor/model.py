@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import PretrainedConfig
 
 from workers.model_executor.attention import AttentionMetadata
 from workers.model_executor.attention.cpu_backend import CPUAttention
@@ -23,6 +23,9 @@ from workers.model_executor.cpu_kernels import (
     linear_available_for,
 )
 from workers.model_executor.rope import rotate
+
+if TYPE_CHECKING:  # (not imported to run: see rope._rotary_module)
+    from transformers import PretrainedConfig
 
 
 @functools.cache
