@@ -173,6 +173,9 @@ class LocalNodes:
     count: int = 1
     gpus_per_node: int = 0
     cpus: int | None = None  # CPUs each node declares (logical too); None: as below
+    # the Ray dashboard on the head: ~5 CPU-s and ~3 s of the head's start on a 2-core machine
+    # (its modules run as processes of their own), for a view of the cluster nobody may open
+    dashboard: bool = True
 
     def cpus_per_node(self, cpus_needed: float) -> int:
         """`cpus` if given; else the head alone gets the machine (or what the replicas need);
@@ -186,20 +189,23 @@ class LocalNodes:
 
 
 def start_head(num_cpus: int, timeout: float = 120, fate_share: bool = False,
-               num_gpus: int = 0) -> UpState:
+               num_gpus: int = 0, dashboard: bool = True) -> UpState:
     """`ray start --head --block` in its own session; returns once the GCS address is known.
 
     `fate_share`: the head gets SIGTERM when the calling thread ends, as it does when this
     process dies, however it dies (call it from the main thread). `num_gpus`: the GPUs it
-    declares (logical ones where the machine has fewer: Ray schedules them all the same)."""
+    declares (logical ones where the machine has fewer: Ray schedules them all the same).
+    `dashboard`: the Ray dashboard, on loopback (without it, each node's agent still exports
+    metrics to Prometheus)."""
     ray_bin = Path(sys.executable).with_name("ray")
     temp_dir = tempfile.mkdtemp(prefix=TEMP_PREFIX)
     write_token(temp_dir)
     dashboard_port = free_port()
     cmd = [
         str(ray_bin), "start", "--head", "--block", "--disable-usage-stats",
-        f"--num-cpus={num_cpus}", "--dashboard-host=127.0.0.1",
-        f"--dashboard-port={dashboard_port}", f"--port={free_port()}",
+        f"--num-cpus={num_cpus}", f"--port={free_port()}",
+        *(["--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}"] if dashboard
+          else ["--include-dashboard=false"]),
         f"--ray-client-server-port={free_port()}",
         f"--dashboard-agent-listen-port={free_port()}", f"--temp-dir={temp_dir}",
         *([f"--num-gpus={num_gpus}"] if num_gpus else []),
@@ -230,7 +236,8 @@ def start_head(num_cpus: int, timeout: float = 120, fate_share: bool = False,
         raise
     return UpState(address=address_file.read_text().strip(), started_head=True, grpc_port=0,
                    head_pid=proc.pid, temp_dir=temp_dir,
-                   dashboard_url=f"http://127.0.0.1:{dashboard_port}", env=auth_env(temp_dir))
+                   dashboard_url=f"http://127.0.0.1:{dashboard_port}" if dashboard else None,
+                   env=auth_env(temp_dir))
 
 
 def start_worker_nodes(state: UpState, count: int, num_cpus: int, num_gpus: int = 0,

@@ -29,6 +29,7 @@ from cache_manager import actor as cache_manager
 from cluster import key_rings
 from cluster.app import GRPC_SERVICER_FUNCTIONS, build_app
 from cluster.client import call_metadata
+from cluster.deployment import ADMIN_ENV
 from cluster.http_ingress import PROXY_CALLBACK, PROXY_CALLBACK_ENV
 from cluster.local_head import free_port
 from kvserve.v1 import generation_pb2 as pb
@@ -42,6 +43,10 @@ DEFAULT_APP = {"kv_cache_memory": "512MiB"}
 # The 2-replica app the routing, exactness and kill tests share
 # max_expected_wait_s: these tests are not about admission, and on a loaded 2-core CI machine a
 # replica measures ~130 prompt tokens/s, so 8 chats' turns would pass the default 30 s (ci45)
+# The session cluster's replicas allow the admin endpoint (test-only failure injection,
+# cluster/deployment.py ADMIN_ENV): tests/test_serve_replica_health.py needs it, and a cluster
+# started again for it alone cost a shutdown and a start (~15 s of a CI run)
+CLUSTER_ENV = {ADMIN_ENV: "1"}
 TWO_REPLICAS = {"replicas": 2, "num_cpus_per_replica": 1, "kv_cache_memory": "256MiB",
                 "max_expected_wait_s": 600}
 
@@ -185,8 +190,8 @@ def serve_locally(app_args: dict[str, Any], *, reuse: bool = False,
 
     reuse: the caller leaves the deployment as it found it (no kill, no restart, nothing left
     running), so it may be kept after the block for the next caller with equal `app_args`.
-    env: environment variables the replicas need; a cluster started without exactly these is
-    replaced (Ray's workers get their environment when the cluster starts).
+    env: environment variables the replicas need besides CLUSTER_ENV; a cluster started without
+    exactly these is replaced (Ray's workers get their environment when the cluster starts).
     name: the application's name; by default a new one for each deployment. Serve's proxy
     keeps a deployment's request router across a redeploy under the same name, and that
     router still holds the deleted app's cache manager: its first lookup fails and it routes
@@ -198,7 +203,7 @@ def serve_locally(app_args: dict[str, Any], *, reuse: bool = False,
     make every single-replica test compute at half speed), two get one each."""
     global _cluster, _deploys
     app_args = {"num_cpus_per_replica": CLUSTER_CPUS / app_args.get("replicas", 1), **app_args}
-    env = dict(env or {})
+    env = CLUSTER_ENV | dict(env or {})
     if _cluster is not None and _cluster.env != env:
         shutdown_cluster()
     if _cluster is None:

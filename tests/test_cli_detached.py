@@ -73,6 +73,32 @@ def the_embedded_redis_dir(env: dict[str, str], since: float, timeout_s: float =
     return dirs[0]
 
 
+def dashboard_pids(head_pid: int) -> list[int]:
+    """The processes of the Ray dashboard's modules in the head's session (Ray titles them
+    `ray-dashboard-<Module>-0`; without the dashboard only a minimal dashboard.py runs)."""
+    def title(pid: int) -> str:
+        with contextlib.suppress(OSError):
+            return Path(f"/proc/{pid}/cmdline").read_text()
+        return ""
+
+    return [p for p in local_head._session_pids(head_pid)
+            if title(p).startswith("ray-dashboard-")]
+
+
+def dashboard_answers(url: str) -> bool:
+    """An HTTP server answers at `url` (any status: the head's dashboard wants its token)."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        urllib.request.urlopen(url, timeout=10).close()
+    except urllib.error.HTTPError:
+        return True
+    except OSError:
+        return False
+    return True
+
+
 def redis_server_pids(data_dir: Path) -> list[int]:
     from tests.test_redis_lifetime import _server_pids
 
@@ -85,7 +111,9 @@ def test_up_detach_status_generate_down(model_dir, tmp_path, monkeypatch):
 
 
 def _up_detach_status_generate_down(model_dir, tmp_path, monkeypatch, stack):
-    env = new_user_env(model_dir, tmp_path)
+    # the replica exports its spans every 0.2 s, not OpenTelemetry's default 5 s (the standard
+    # variable, which BatchSpanProcessor reads; the replicas inherit the head's environment)
+    env = new_user_env(model_dir, tmp_path) | {"OTEL_BSP_SCHEDULE_DELAY": "200"}
     home = Path(env["HOME"])
     monkeypatch.setenv("KVSERVE_CACHE_DIR", env["KVSERVE_CACHE_DIR"])  # read_state() below
 
@@ -110,6 +138,9 @@ def _up_detach_status_generate_down(model_dir, tmp_path, monkeypatch, stack):
         assert "kvserve down" in up.stdout
         state = local_head.read_state()
         assert state is not None and state.started_head and state.head_alive()
+        # the dashboard is on by default (tests/test_cli_up.py: --no-dashboard) and answers
+        assert dashboard_pids(state.head_pid) and state.dashboard_url
+        assert dashboard_answers(state.dashboard_url)
         # the head's own token, in its own state dir, named to every driver: not ~/.ray's
         token = Path(state.env["RAY_AUTH_TOKEN_PATH"])
         assert state.env["RAY_AUTH_MODE"] == "token" and token.parent == Path(state.temp_dir)

@@ -18,7 +18,12 @@ import pytest
 from cluster import local_head
 from tests.serving import free_port
 from tests.test_cli import KVSERVE
-from tests.test_cli_detached import new_user_env, redis_server_pids, the_embedded_redis_dir
+from tests.test_cli_detached import (
+    dashboard_pids,
+    new_user_env,
+    redis_server_pids,
+    the_embedded_redis_dir,
+)
 
 pytestmark = pytest.mark.ray  # starts Ray, so also slow (tests/conftest.py)
 
@@ -48,7 +53,7 @@ def test_up_generate_status_and_sigterm_to_its_process_group(model_dir, tmp_path
     started = time.time() - 1
     proc = subprocess.Popen(
         [*KVSERVE, "up", "--grpc-port", str(port), "--http-port", str(http_port),
-         "--kv-cache-memory", "256MiB", "--api-key", "sk-test:team"],
+         "--kv-cache-memory", "256MiB", "--api-key", "sk-test:team", "--no-dashboard"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
         start_new_session=True,  # its own process group, so the test can signal all of it
     )
@@ -64,6 +69,9 @@ def test_up_generate_status_and_sigterm_to_its_process_group(model_dir, tmp_path
         assert any(f"127.0.0.1:{port}" in line for line in seen)
         state = local_head.read_state()
         assert state is not None and state.started_head and state.head_alive()
+        # --no-dashboard: no dashboard process, no URL (tests/test_cli_detached.py: the default)
+        assert not dashboard_pids(state.head_pid) and state.dashboard_url is None
+        assert not any("kvserve: Ray dashboard at" in line for line in seen), seen
         redis_dir = the_embedded_redis_dir(env, started)
         assert not any("no API keys" in line for line in seen)  # keys given: no warning
         target, http = f"127.0.0.1:{port}", f"http://127.0.0.1:{http_port}"

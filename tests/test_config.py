@@ -181,7 +181,7 @@ def test_kvserve_deploy_takes_every_application_flag_up_takes(monkeypatch, tmp_p
     from kvserve.cli import main
 
     up_only = {"grpc_port", "http_port", "local_nodes", "gpus_per_node", "cpus_per_node",
-               "detach"}
+               "dashboard", "detach"}
     up = {a.dest: a.option_strings for a in _subparser("up")._actions}
     deploy = {a.dest: a.option_strings for a in _subparser("deploy")._actions}
     assert {d: o for d, o in up.items() if d not in up_only} == {

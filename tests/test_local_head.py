@@ -22,7 +22,7 @@ pytestmark = pytest.mark.ray  # starts Ray, so also slow (tests/conftest.py)
 OWNER_SCRIPT = textwrap.dedent("""
     import json, sys, time
     from cluster import local_head
-    state = local_head.start_head(1, fate_share=sys.argv[1] == "1")
+    state = local_head.start_head(1, fate_share=sys.argv[1] == "1", dashboard=False)
     print(json.dumps({"pid": state.head_pid, "temp_dir": state.temp_dir, "env": state.env,
                       "address": state.address}), flush=True)
     time.sleep(600)
@@ -82,7 +82,7 @@ def test_a_driver_keeps_the_sigterm_handler_it_had(tmp_path):
         import os, signal, time
         from cluster import local_head
         from kvserve.process import sigterm_as_interrupt
-        state = local_head.start_head(1, fate_share=True)
+        state = local_head.start_head(1, fate_share=True, dashboard=False)
         for stage in ("connected", "disconnected"):
             with sigterm_as_interrupt():
                 if stage == "connected":

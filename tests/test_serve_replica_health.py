@@ -58,7 +58,7 @@ def _greedy(served) -> list[int]:
 def test_a_replica_whose_step_loop_died_is_replaced_and_every_replica_warms_up(monkeypatch):
     monkeypatch.setenv(ADMIN_ENV, "1")  # the local Ray cluster's workers inherit it
     app = {"replicas": 1, "kv_cache_memory": "64MiB", **HEALTH_CHECKS}
-    with serve_locally(app, env={ADMIN_ENV: "1"}) as served:  # a cluster with admin allowed
+    with serve_locally(app, env={ADMIN_ENV: "1"}) as served:  # (the session cluster's env)
         _assert_warmed_up_and_clean(served.handle)  # before the first user request
         expected = _greedy(served)
         victim = served.handle.admin.remote("fail_next_step").result()

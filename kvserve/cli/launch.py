@@ -90,7 +90,7 @@ def start(config: AppConfig, grpc_port: int, fate_share: bool,
         replicas = config.autoscaling.max_replicas if config.autoscaling else config.replicas
         cpus = nodes.cpus_per_node(replicas * config.num_cpus_per_replica)
         state = local_head.start_head(cpus, fate_share=fate_share,  # stops it if interrupted
-                                      num_gpus=nodes.gpus_per_node)
+                                      num_gpus=nodes.gpus_per_node, dashboard=nodes.dashboard)
         if nodes.count > 1:
             try:
                 state.node_pids = local_head.start_worker_nodes(

@@ -123,13 +123,15 @@ def _deployment(args: argparse.Namespace) -> Iterator[tuple]:
 
 def _start_local(config: str | None) -> UpState | None:
     """A 1-replica deployment of this run's own, beside any `kvserve up`: a head tied to this
-    process (it ends with it, however), not recorded for `kvserve status` / `down`."""
-    from cluster.local_head import free_port
+    process (it ends with it, however), not recorded for `kvserve status` / `down`, without the
+    Ray dashboard (a headless run; the summary reads replica memory from Ray's GCS). To watch a
+    load in the dashboard, `kvserve up --detach` and pass --target."""
+    from cluster.local_head import LocalNodes, free_port
     from kvserve.cli.launch import load_config, start
 
     overrides = {} if config else {"replicas": 1}
     return start(load_config(config, overrides), free_port(), fate_share=True, record=False,
-                 http_port=free_port())
+                 http_port=free_port(), nodes=LocalNodes(dashboard=False))
 
 
 def _ray_readers(address: str | None,
