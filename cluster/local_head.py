@@ -173,8 +173,8 @@ class LocalNodes:
     count: int = 1
     gpus_per_node: int = 0
     cpus: int | None = None  # CPUs each node declares (logical too); None: as below
-    # the Ray dashboard on the head: ~5 CPU-s and ~3 s of the head's start on a 2-core machine
-    # (its modules run as processes of their own), for a view of the cluster nobody may open
+    # the Ray dashboard on the head: its modules run as ten processes of their own, ~5 CPU-s
+    # and ~3 s of the head's start on a 2-core machine (`kvserve up --no-dashboard` skips it)
     dashboard: bool = True
 
     def cpus_per_node(self, cpus_needed: float) -> int:

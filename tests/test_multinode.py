@@ -340,7 +340,7 @@ autoscaling:
   min_replicas: 1
   max_replicas: 3
   target_ongoing_requests: 1
-  upscale_delay_s: 4
+  upscale_delay_s: 1
   downscale_delay_s: 2
   look_back_period_s: 2
   metrics_interval_s: 0.5
@@ -406,10 +406,12 @@ def test_autoscaling_follows_a_load_ramp_across_nodes_and_back(sim: SimCluster,
 
     Refusals fall as replicas come up: a replica admits 4 requests (2 running, 2 waiting), Serve
     sends it no more (`max_ongoing_requests` 4, trying the other replicas first) and holds one
-    more (`max_queued_requests` 1). The load rises to 8 users over 20 s, then holds: more than
-    one replica takes, fewer than two do. (20 s of hold: a new replica took 12-30 s to come up
-    here, 9.5 s of it the worker process starting, and a 16 s hold left a CI run only 9 streams
-    with two replicas.) The summary counts every stream's end under the
+    more (`max_queued_requests` 1). The load rises to 8 users over 24 s, then holds: more than
+    one replica takes, fewer than two do. Serve adds a replica 1 s after the load passes one
+    request per replica (at 2 users, ~3 s in). (24 s of hold: a new replica took 12-31 s to
+    come up here, 9.5 s of it the worker process starting; a 16 s hold left a CI run only 9
+    streams with two replicas, and a 20 s hold with a 4 s upscale delay left ci59 4, the second
+    replica up 41.6 s into a 40 s load.) The summary counts every stream's end under the
     replica count serving then (`refusals_by_replicas`), refused or not; the refused share must
     be at most 0.2 while two or more served, and under half its share at one. Negative control,
     measured by hand (2026-12-03, these settings less the two Serve limits, so Serve's default
@@ -425,7 +427,7 @@ def test_autoscaling_follows_a_load_ramp_across_nodes_and_back(sim: SimCluster,
 
     out, users = tmp_path / "load", 8
     load = sim.kvserve("loadtest", "--target", f"127.0.0.1:{sim.port}", "--users", str(users),
-                       "--shape", "ramp-hold", "--run-time", "40s", "--workload", "short",
+                       "--shape", "ramp-hold", "--run-time", "48s", "--workload", "short",
                        "--out", str(out), "--json", timeout=200)
     assert load.returncode == 0, load.stdout[-2000:] + load.stderr[-3000:]
     summary = json.loads(load.stdout)
