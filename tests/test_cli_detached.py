@@ -22,6 +22,7 @@ import redis
 from cache_manager.actor import EMBEDDED_PREFIX
 from cache_manager.redis_server import owner_alive
 from cluster import local_head
+from kvserve.process import cmdline
 from kvserve.v1 import generation_pb2 as pb
 from kvserve.v1 import generation_pb2_grpc as pb_grpc
 from tests.helpers import poll
@@ -76,13 +77,8 @@ def the_embedded_redis_dir(env: dict[str, str], since: float, timeout_s: float =
 def dashboard_pids(head_pid: int) -> list[int]:
     """The processes of the Ray dashboard's modules in the head's session (Ray titles them
     `ray-dashboard-<Module>-0`; without the dashboard only a minimal dashboard.py runs)."""
-    def title(pid: int) -> str:
-        with contextlib.suppress(OSError):
-            return Path(f"/proc/{pid}/cmdline").read_text()
-        return ""
-
     return [p for p in local_head._session_pids(head_pid)
-            if title(p).startswith("ray-dashboard-")]
+            if cmdline(p).startswith("ray-dashboard-")]
 
 
 def dashboard_answers(url: str) -> bool:
