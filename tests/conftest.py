@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from workers.config import EngineConfig, cache_root
+from workers.config import EngineConfig
 from workers.engine import LLMEngine
 from workers.model_executor.cpu_kernels import load_cpu_kernels
 from workers.model_executor.loader import LoadedCheckpoint, load_checkpoint, resolve_model_dir
@@ -49,7 +49,7 @@ def hf_model(model_dir: Path):
 @pytest.fixture(scope="session")
 def cpu_kernels():
     """kvserve's C++ CPU kernels, built (or reused) in the cache directory."""
-    kernels = load_cpu_kernels(cache_root() / "kernels")
+    kernels = load_cpu_kernels()
     assert kernels is not None, "the kernels must build on this machine"
     return kernels
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -109,6 +110,59 @@ def test_a_missing_model_is_one_clear_line():
         assert lines[0].startswith(
             f"kvserve: no model directory, .gguf file or hub id named {model!r}"), lines
         assert "Traceback" not in out.stderr and out.stdout == ""
+
+
+def test_prepare_reports_the_cache_the_engine_reads_and_why_kernels_cannot_build(
+        model_dir, cpu_kernels, tmp_path):
+    """`kvserve prepare` (`make test` runs it before pytest): in a user's cache that already
+    holds the model and this machine's kernels, it finds both where the engine looks and builds
+    nothing; where the kernels' directory cannot be made, exit 1 with the reason, the model
+    still ready; --no-kernels skips them. (The from-scratch conversion and build are what
+    `make test` does on a fresh clone before the suite: a failure there fails CI.)"""
+    import torch
+
+    from tests.test_cli_detached import new_user_env
+    from workers.model_executor.cpu_kernels import build_dir_name, cpu_features
+
+    (tmp_path / "ready").mkdir()
+    env = new_user_env(model_dir, tmp_path / "ready")
+    out = subprocess.run([*KVSERVE, "prepare", "--json"], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert Path(report["model"]["path"]).resolve() == model_dir.resolve()
+    cache = Path(env["KVSERVE_CACHE_DIR"])
+    kernels = report["kernels"]
+    assert kernels["build_dir"] == str(
+        cache / "kernels" / build_dir_name(torch.__version__, cpu_features()))
+    assert kernels["available"] and not kernels["built"], kernels
+
+    (tmp_path / "blocked").mkdir()
+    env = new_user_env(model_dir, tmp_path / "blocked")
+    (Path(env["KVSERVE_CACHE_DIR"]) / "kernels").unlink(missing_ok=True)
+    (Path(env["KVSERVE_CACHE_DIR"]) / "kernels").write_text("a file, not a directory")
+    out = subprocess.run([*KVSERVE, "prepare", "--json"], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "the CPU kernels cannot be built here" in out.stderr and "Traceback" not in out.stderr
+    report = json.loads(out.stdout)
+    assert report["kernels"]["available"] is False and report["kernels"]["error"]
+    assert Path(report["model"]["path"]).resolve() == model_dir.resolve()
+    skip = subprocess.run([*KVSERVE, "prepare", "--no-kernels"], capture_output=True,
+                          text=True, env=env, timeout=300)
+    assert skip.returncode == 0 and "kernels" not in skip.stdout, skip.stdout + skip.stderr
+
+
+def test_make_test_prepares_the_machine_before_the_suite():
+    """The model conversion and the kernel build run before pytest, not inside the first
+    engine or replica of the suite (where they cost ~60 CPU-s of its 12 minutes)."""
+    out = subprocess.run(["make", "-n", "test"], capture_output=True, text=True, timeout=60,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    prepare = next(i for i, ln in enumerate(lines) if ln.endswith("kvserve prepare"))
+    pytest_ = next(i for i, ln in enumerate(lines) if "-m pytest" in ln)
+    assert prepare < pytest_, lines
 
 
 def test_bad_input_is_a_clear_error_not_a_traceback():

@@ -30,7 +30,7 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from workers.config import DTYPES, EngineConfig, cache_root
+from workers.config import DTYPES, EngineConfig
 from workers.core.block_manager import BlockManager
 from workers.core.detokenizer import IncrementalDetokenizer
 from workers.core.host_block_pool import HostBlockPool
@@ -748,7 +748,7 @@ def _cpu_kernels(device: torch.device, dtype: torch.dtype) -> CpuKernels | None:
     fp16 runs torch's ops and oneDNN: CPUs have no fp16 arithmetic worth a kernel of its own."""
     if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         return None
-    return load_cpu_kernels(cache_root() / "kernels")
+    return load_cpu_kernels()
 
 
 def _build_model(

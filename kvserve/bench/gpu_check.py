@@ -619,12 +619,11 @@ def prepare_cpu_kernels(report: Report) -> dict[str, Any]:
     an empty cache directory): built here, before any section's deadline can interrupt the
     compiler and leave torch's build lock behind for later runs to wait on. On CUDA the engine
     never builds them."""
-    from workers.config import cache_root
-    from workers.model_executor.cpu_kernels import load_cpu_kernels
+    from workers.model_executor.cpu_kernels import kernel_build_dir, load_cpu_kernels
 
-    report.say(f"CPU kernels: building or loading under {cache_root() / 'kernels'}")
+    report.say(f"CPU kernels: building or loading under {kernel_build_dir()}")
     start = time.monotonic()
-    kernels = load_cpu_kernels(cache_root() / "kernels")
+    kernels = load_cpu_kernels()
     return {"available": kernels is not None, "seconds": round(time.monotonic() - start, 2)}
 
 

@@ -17,7 +17,6 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from workers.config import cache_root
 from workers.model_executor.cpu_kernels import (
     CpuKernels,
     cpu_features,
@@ -75,7 +74,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     print(cpu_features())
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads\n")
-    kernels = load_cpu_kernels(cache_root() / "kernels")
+    kernels = load_cpu_kernels()
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for name in args.shapes:

@@ -1,6 +1,6 @@
 """`kvserve` command line: one module per command group.
 
-generate.py (generate), serve.py (up, down, status, cache; with launch.py and status.py),
+prepare.py (prepare), generate.py (generate), serve.py (up, down, status, cache; with launch.py and status.py),
 bench.py (bench throughput|prefix|serve), eval.py (eval recall|factuality), loadtest.py
 (loadtest), trace.py (trace). The engine flags are generated from workers.config
 (engine_args.py); the argparse value types are in types.py.
@@ -15,6 +15,7 @@ from kvserve.cli.bench import add_bench
 from kvserve.cli.eval import add_eval
 from kvserve.cli.generate import add_generate
 from kvserve.cli.loadtest import add_loadtest
+from kvserve.cli.prepare import add_prepare
 from kvserve.cli.serve import add_serve_commands
 from kvserve.cli.trace import add_trace
 from workers.errors import ModelNotFoundError
@@ -42,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve and evaluate open-weight decoder LLMs with a paged KV cache.",
     )
     sub = parser.add_subparsers(title="commands")
+    add_prepare(sub)
     add_generate(sub)
     add_serve_commands(sub)
     add_bench(sub)

@@ -1,4 +1,5 @@
-"""kvserve's C++ kernels for CPUs (`workers/model_executor/csrc/`), built at first use.
+"""kvserve's C++ kernels for CPUs (`workers/model_executor/csrc/`), built by `kvserve prepare`
+(or else at the first engine start on the machine).
 
 - `linear` (`pack_linear_weight`): every projection, batch-invariant, weights in 48-output
   panels (AVX-512 builds only; `linear_available()` says; otherwise oneDNN runs them).
@@ -13,9 +14,10 @@
   (AVX-512 builds) they round where transformers' bf16 ops round, and equal them bit for bit.
 
 They are compiled with the machine's C++ compiler by `torch.utils.cpp_extension` (~20 s on two
-cores, once per torch version and CPU type, cached under kvserve's cache directory) and registered
-as torch operators (`torch.ops.kvserve.*`, `csrc/bindings.cpp`), not as a pybind11 module, whose
-headers alone took longer to compile than all the kernels. Where that fails the engine
+cores, once per torch version and CPU type, cached under kvserve's cache directory:
+`kernels_root`) and registered as torch operators (`torch.ops.kvserve.*`, `csrc/bindings.cpp`),
+not as a pybind11 module, whose headers alone took longer to compile than all the kernels.
+Where that fails the engine
 runs the torch ops instead, with one warning. fp32 results differ from torch's only in the order of
 float sums (vectorized reductions, fused multiply-adds): the greedy exactness suite meets no
 near-tie.
@@ -32,6 +34,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from workers.config import cache_root
 
 log = logging.getLogger(__name__)
 
@@ -53,23 +57,41 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
 STALE_LOCK_S = 600
 
 
-def load_cpu_kernels(build_root: Path) -> CpuKernels | None:
-    """Build (or reuse) the kernels; None, with a warning, where they cannot be built."""
+def kernels_root() -> Path:
+    """Where every caller builds and finds the kernels: kvserve's cache directory (one
+    subdirectory per torch, Python and CPU, `build_dir_name`)."""
+    return cache_root() / "kernels"
+
+
+def kernel_build_dir(build_root: Path | None = None) -> Path:
+    """This machine's build directory under `build_root` (default `kernels_root()`)."""
+    return (build_root or kernels_root()) / build_dir_name(torch.__version__, cpu_features())
+
+
+def build_cpu_kernels(build_root: Path | None = None) -> CpuKernels:
+    """Build (or reuse) the kernels; raises where they cannot be built (no compiler, no ninja,
+    a read-only cache). `kvserve prepare` calls this to say why; the engine calls
+    `load_cpu_kernels`, which falls back to torch's ops."""
     from torch.utils.cpp_extension import load
 
-    build_dir = build_root / build_dir_name(torch.__version__, cpu_features())
+    build_dir = kernel_build_dir(build_root)
+    build_dir.mkdir(parents=True, exist_ok=True)
+    clear_stale_lock(build_dir, time.time())
+    # torch rebuilds when a source or a flag changes, but it does not read headers: the
+    # headers' digest goes in as a flag
+    header = hashlib.sha256(b"".join(h.read_bytes() for h in HEADERS)).hexdigest()[:16]
+    if not hasattr(torch.ops.kvserve, "linear_available"):  # once per process
+        load(name="kvserve_cpu_kernels", sources=[str(s) for s in SOURCES],
+             build_directory=str(build_dir),
+             extra_cflags=[*CFLAGS, f"-DKVSERVE_KERNELS_H={header}"],
+             extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+    return torch.ops.kvserve
+
+
+def load_cpu_kernels(build_root: Path | None = None) -> CpuKernels | None:
+    """Build (or reuse) the kernels; None, with a warning, where they cannot be built."""
     try:
-        build_dir.mkdir(parents=True, exist_ok=True)
-        clear_stale_lock(build_dir, time.time())
-        # torch rebuilds when a source or a flag changes, but it does not read headers: the
-        # headers' digest goes in as a flag
-        header = hashlib.sha256(b"".join(h.read_bytes() for h in HEADERS)).hexdigest()[:16]
-        if not hasattr(torch.ops.kvserve, "linear_available"):  # once per process
-            load(name="kvserve_cpu_kernels", sources=[str(s) for s in SOURCES],
-                 build_directory=str(build_dir),
-                 extra_cflags=[*CFLAGS, f"-DKVSERVE_KERNELS_H={header}"],
-                 extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
-        return torch.ops.kvserve
+        return build_cpu_kernels(build_root)
     except Exception as exc:  # no compiler, no ninja, a read-only cache: torch ops still work
         log.warning("CPU kernels unavailable, running torch ops instead: %s", exc)
         return None
