@@ -1,9 +1,9 @@
 """`kvserve` command line: one module per command group.
 
-prepare.py (prepare), generate.py (generate), serve.py (up, down, status, cache; with launch.py and status.py),
-bench.py (bench throughput|prefix|serve), eval.py (eval recall|factuality), loadtest.py
-(loadtest), trace.py (trace). The engine flags are generated from workers.config
-(engine_args.py); the argparse value types are in types.py.
+prepare.py (prepare), generate.py (generate), serve.py (up, down, status, cache; with
+launch.py and status.py), bench.py (bench throughput|prefix|serve), eval.py (eval
+recall|factuality), loadtest.py (loadtest), trace.py (trace). The engine flags are generated
+from workers.config (engine_args.py); the argparse value types are in types.py.
 """
 
 from __future__ import annotations
