@@ -91,6 +91,18 @@ def test_model_info_through_the_proxy(served):
     assert (info.model, info.replicas, info.vocab_size) == ("SmolLM2-135M-Instruct", 1, 49152)
 
 
+def test_serve_runs_the_deployment_with_the_app_configs_shutdown_settings(served):
+    """What `build_app` passes reaches Serve's controller. A stopping replica sleeps
+    `graceful_shutdown_wait_loop_s` before it first looks for open streams: with Serve's default
+    (2 s) every replica stop, idle or not, took 2 s (each rollout, scale-in and `kvserve down`)."""
+    from cluster import ray_compat
+
+    apps = ray_compat.serve_details()["applications"]
+    config = apps[served.app]["deployments"]["Generation"]["deployment_config"]
+    assert config["graceful_shutdown_wait_loop_s"] == 0.5
+    assert config["graceful_shutdown_timeout_s"] == AppConfig().graceful_shutdown_timeout_s
+
+
 def test_app_config_rejects_unknown_and_bad_fields():
     with pytest.raises(ValidationError, match="replicaz"):
         AppConfig.model_validate({"replicaz": 2})
