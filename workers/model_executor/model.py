@@ -75,11 +75,6 @@ class Linear(nn.Linear):
     use_onednn: bool = False
     kernel: Callable | None = None  # kernels.linear / linear_bf16, when the weight is packed for it
 
-    def reset_parameters(self) -> None:
-        """Nothing: the checkpoint sets every weight (`load_checkpoint`). The model is built on
-        the meta device, where torch's random init imports its decompositions and torch._dynamo
-        (~0.4 CPU-s of every replica's start) to compute nothing."""
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:  # x: [rows, in_features]
             return self.kernel(x, self.weight, self.out_features, self.bias)
@@ -108,13 +103,6 @@ class Linear(nn.Linear):
         else:
             packed, self.kernel = kernels.pack_linear_weight(weight), kernels.linear
         self.weight = nn.Parameter(packed, requires_grad=False)
-
-
-class Embedding(nn.Embedding):
-    """nn.Embedding without its random init, as `Linear`."""
-
-    def reset_parameters(self) -> None:
-        """Nothing: the checkpoint sets the table (see `Linear.reset_parameters`)."""
 
 
 class RMSNorm(nn.Module):
@@ -222,7 +210,7 @@ class CausalLM(nn.Module):
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)

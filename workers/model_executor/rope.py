@@ -1,9 +1,8 @@
 """Rotary position embeddings computed by transformers' own RoPE code.
 
-As `LlamaRotaryEmbedding` does, the tables come from `config.rope_parameters` through
-transformers' `ROPE_INIT_FUNCTIONS` (linear, dynamic, yarn, llama3, longrope), so every RoPE
-variant here is exactly Hugging Face's math, attention scaling included (yarn multiplies cos and
-sin). The Qwen2 and
+`LlamaRotaryEmbedding` reads `config.rope_parameters` and dispatches to transformers'
+`ROPE_INIT_FUNCTIONS` (linear, dynamic, yarn, llama3, longrope), so every RoPE variant here is
+exactly Hugging Face's math, attention scaling included (yarn multiplies cos and sin). The Qwen2 and
 Mistral rotary classes are copies of the Llama one.
 
 Static RoPE types are evaluated once for every position into a table. Two types depend on the
@@ -35,22 +34,14 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 
-def _rope_init(config: PretrainedConfig) -> tuple[torch.Tensor, float]:
-    """What transformers' `LlamaRotaryEmbedding(config)` starts from: the fp32 inverse
-    frequencies [head_dim / 2] and the attention scaling of `config.rope_parameters`. Every
-    scaled type is transformers' own `ROPE_INIT_FUNCTIONS` entry; plain RoPE is the
-    `base ** (-2i / dim)` the module computes itself. Not the module: importing transformers'
-    Llama modeling code (and the model-loading stack behind it) cost every engine start ~0.5 CPU-s
-    for these two lines of arithmetic. tests/test_rope.py compares the tables with the module's
-    output bit for bit, for every RoPE type."""
-    rope_type = config.rope_parameters["rope_type"]
-    if rope_type != "default":
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+def _rotary_module(config: PretrainedConfig) -> torch.nn.Module:
+    """transformers' `LlamaRotaryEmbedding` for `config`. Imported here, when an engine is
+    built, not with this module: a Serve driver (`kvserve up`, `kvserve deploy`) imports the
+    engine's modules to bind the deployment and builds no engine, and transformers' model stack
+    was 2.7 s of its 5.2 s of imports on a 2-core machine."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-        return ROPE_INIT_FUNCTIONS[rope_type](config)
-    base = config.rope_parameters["rope_theta"]
-    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
+    return LlamaRotaryEmbedding(config)
 
 
 @dataclass(frozen=True)
@@ -81,23 +72,19 @@ class RotaryEmbedding:
             # cos/sin: [positions, head_dim]
             self.cos, self.sin = self._evaluate(torch.arange(max_positions, device=device))
         else:
-            inv_freq, scaling = _rope_init(config)
-            # the module's `original_max_seq_len`: the trained length
+            module = _rotary_module(config)
             self.original_len = (config.rope_parameters["original_max_position_embeddings"]
-                                 if self.rope_type == "longrope"
-                                 else config.max_position_embeddings)
-            self.original_inv_freq = inv_freq.to(device)  # [head_dim / 2]
-            self.original_scaling = float(scaling)
+                                 if self.rope_type == "longrope" else module.original_max_seq_len)
+            self.original_inv_freq = module.original_inv_freq.to(device)  # [head_dim / 2]
+            self.original_scaling = float(module.attention_scaling)
             self._inv_freq: dict[int, tuple[torch.Tensor, float]] = {}
 
     def _evaluate(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The module's forward for a static RoPE: cos/sin of position x inverse frequency, in
-        fp32, times the attention scaling, cast to the activations' dtype as transformers casts
-        them for q/k."""
-        inv_freq, scaling = _rope_init(self.config)
-        freqs = positions[:, None].float() * inv_freq.to(device=self.device, dtype=torch.float)
-        emb = torch.cat((freqs, freqs), dim=-1)  # [positions, head_dim]
-        return (emb.cos() * scaling).to(self.dtype), (emb.sin() * scaling).to(self.dtype)
+        module = _rotary_module(self.config).to(self.device)
+        # evaluated in fp32, returned in the probe's dtype (as transformers does for q/k)
+        probe = torch.empty(0, device=self.device, dtype=self.dtype)
+        cos, sin = module(probe, positions[None, :])
+        return cos[0], sin[0]
 
     def cache_key(self, prompt_len: int) -> str:
         """What a request's cached keys depend on besides its tokens: "" unless this RoPE is
@@ -158,7 +145,7 @@ class RotaryEmbedding:
                 self._inv_freq.clear()
             # as a tensor, as the module passes max(position_ids)+1: its arithmetic is then fp32
             seq_len = torch.tensor(length, device=self.device)
-            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # (_rope_init)
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # (_rotary_module)
 
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[self.rope_type](
                 self.config, self.device, seq_len=seq_len)
