@@ -413,7 +413,7 @@ def test_autoscaling_follows_a_load_ramp_across_nodes_and_back(sim: SimCluster,
     streams with two replicas, and a 20 s hold with a 4 s upscale delay left ci59 4, the second
     replica up 41.6 s into a 40 s load.) The summary counts every stream's end under the
     replica count serving then (`refusals_by_replicas`), refused or not; the refused share must
-    be at most 0.2 while two or more served, and under half its share at one. Negative control,
+    be at most 0.2 while two or more served, and below its share at one. Negative control,
     measured by hand (2026-12-03, these settings less the two Serve limits, so Serve's default
     `max_ongoing_requests` 256): Serve sent requests to a full replica, which refused them while
     the other had room, and the share went only from 0.67 with one replica to 0.50 with two."""
@@ -451,7 +451,10 @@ def test_autoscaling_follows_a_load_ramp_across_nodes_and_back(sim: SimCluster,
     # with Serve routing around full replicas, few are refused once two serve (0.0-0.075 in
     # three runs); without it (the control in the docstring), half were
     assert streams >= 10 and refused / streams <= 0.2, rows
-    assert refused / streams < one["refused_share"] / 2, rows
+    # ...and fewer than at one replica. (Not "under half" any more: when the second replica comes
+    # up early in the ramp, one replica sees little overload, e.g. ci65: 1 of 7 refused at one,
+    # 5 of 49 at two. The control fails the absolute bar above, 0.50.)
+    assert refused / streams < one["refused_share"], rows
 
     report = poll(sim.status, lambda r: len(r["replicas"]) == 1, 90, interval_s=1)
     assert [r["state"] for r in report["replicas"]] == ["RUNNING"], report
