@@ -65,15 +65,15 @@ def _prepare_kernels(say) -> dict[str, Any]:
         build_cpu_kernels,
         cpu_summary,
         kernel_build_dir,
+        kernel_library,
     )
 
-    build_dir = kernel_build_dir()
-    library = build_dir / "kvserve_cpu_kernels.so"
+    build_dir, library, cpu = kernel_build_dir(), kernel_library(), cpu_summary()
     before = library.stat().st_mtime_ns if library.exists() else None
-    say(f"CPU kernels for {cpu_summary()} in {build_dir}: building if needed (~20 s on two "
-        "cores, once per torch version and CPU)")
+    say(f"CPU kernels for {cpu} in {build_dir}: building if needed (~20 s on two cores, once "
+        "per torch version and CPU)")
     start = time.monotonic()
-    result: dict[str, Any] = {"build_dir": str(build_dir), "cpu": cpu_summary()}
+    result: dict[str, Any] = {"build_dir": str(build_dir), "cpu": cpu}
     try:
         build_cpu_kernels()
     except Exception as exc:  # the reason, for the person who must install a compiler

@@ -55,6 +55,7 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
 # torch's build lock is a file that a killed build leaves behind, and every later load would
 # wait on it for ever; a build takes well under a minute, so a lock this old is stale
 STALE_LOCK_S = 600
+LIBRARY = "kvserve_cpu_kernels"  # torch.utils.cpp_extension's extension name
 
 
 def kernels_root() -> Path:
@@ -66,6 +67,12 @@ def kernels_root() -> Path:
 def kernel_build_dir(build_root: Path | None = None) -> Path:
     """This machine's build directory under `build_root` (default `kernels_root()`)."""
     return (build_root or kernels_root()) / build_dir_name(torch.__version__, cpu_features())
+
+
+def kernel_library(build_root: Path | None = None) -> Path:
+    """The shared library a build leaves in `kernel_build_dir` (its mtime says when it was
+    last built)."""
+    return kernel_build_dir(build_root) / f"{LIBRARY}.so"
 
 
 def build_cpu_kernels(build_root: Path | None = None) -> CpuKernels:
@@ -81,7 +88,7 @@ def build_cpu_kernels(build_root: Path | None = None) -> CpuKernels:
     # headers' digest goes in as a flag
     header = hashlib.sha256(b"".join(h.read_bytes() for h in HEADERS)).hexdigest()[:16]
     if not hasattr(torch.ops.kvserve, "linear_available"):  # once per process
-        load(name="kvserve_cpu_kernels", sources=[str(s) for s in SOURCES],
+        load(name=LIBRARY, sources=[str(s) for s in SOURCES],
              build_directory=str(build_dir),
              extra_cflags=[*CFLAGS, f"-DKVSERVE_KERNELS_H={header}"],
              extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
