@@ -189,10 +189,10 @@ def test_refusals_are_counted_under_the_replica_count_serving_when_each_stream_e
     assert "refused, by replicas serving  1: 2/3, 2: 1/3, 3: 0/2" in format_summary(summary)
 
 
-def test_the_load_shapes_and_the_cli_name_the_same_shapes():
+def test_the_load_shapes_and_the_cli_name_the_same_shapes(monkeypatch):
     """`--shape`'s choices are the locustfile's shapes; ramp-hold rises over the first half of
-    the run and holds the peak for the second. Run in a subprocess: importing Locust
-    monkey-patches its process for gevent."""
+    the run, or at `--spawn-rate` users per second, and holds the peak to the end. Run in a
+    subprocess: importing Locust monkey-patches its process for gevent."""
     import subprocess
     import sys
 
@@ -204,12 +204,41 @@ def test_the_load_shapes_and_the_cli_name_the_same_shapes():
                  if a.dest == "shape")
     probe = ("import json, shapes\n"
              "s = shapes.by_name('ramp-hold')(); ticks = []\n"
-             "for t in (0, 5, 10, 15, 20, 30, 39, 41):\n"
+             "for t in (0, 1, 2.5, 4.5, 5, 10, 15, 20, 30, 39, 41):\n"
              "    s.get_run_time = lambda t=t: t; ticks.append(s.tick())\n"
              "print(json.dumps([sorted(shapes.SHAPES), ticks]))")
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                          cwd=Path(__file__).parents[1] / "kvserve/bench/locust", check=True,
-                          env={**os.environ, "KVSERVE_USERS": "10", "KVSERVE_RUN_TIME_S": "40"})
-    names, ticks = json.loads(done.stdout)
-    assert sorted(shape.choices) == names and "ramp-hold" in names
-    assert [t and t[0] for t in ticks] == [1, 2, 5, 8, 10, 10, 10, None]
+
+    def ticks(**env: str) -> list:
+        env = {**os.environ, "KVSERVE_USERS": "10", "KVSERVE_RUN_TIME_S": "40", **env}
+        done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                              cwd=Path(__file__).parents[1] / "kvserve/bench/locust", check=True,
+                              env=env)
+        names, ticks = json.loads(done.stdout)
+        assert sorted(shape.choices) == names and "ramp-hold" in names
+        return ticks
+
+    monkeypatch.delenv("KVSERVE_SPAWN_RATE", raising=False)
+    over_half = ticks()
+    assert [t and t[0] for t in over_half] == [1, 1, 1, 2, 2, 5, 8, 10, 10, 10, None]
+    at_two = ticks(KVSERVE_SPAWN_RATE="2")  # `--spawn-rate 2`: 2 users a second, then the peak
+    assert [t and t[0] for t in at_two] == [1, 3, 6, 10, 10, 10, 10, 10, 10, 10, None]
+    assert {t[1] for t in at_two[:-1]} == {2.0}
+
+
+def test_loadtest_passes_the_locustfile_this_runs_settings_and_no_stale_ones(monkeypatch):
+    """`--spawn-rate` and `--shape` reach the locustfile when given; when not, a value left in
+    the caller's environment does not (it would silently reshape the load)."""
+    from kvserve.bench.loadtest import LoadtestConfig, locust_command, locust_env
+
+    for name in ("KVSERVE_SPAWN_RATE", "KVSERVE_SHAPE", "KVSERVE_API_KEY"):
+        monkeypatch.setenv(name, "stale")
+    cfg = LoadtestConfig(target="127.0.0.1:1", out=Path("out"), users=8)
+    env = locust_env(cfg, Path("out/tokens.json"))
+    assert {"KVSERVE_SPAWN_RATE", "KVSERVE_SHAPE", "KVSERVE_API_KEY"}.isdisjoint(env)
+    assert locust_command(cfg)[locust_command(cfg).index("-r") + 1] == "8.0"  # Locust's own
+    cfg = LoadtestConfig(target="127.0.0.1:1", out=Path("out"), users=8, shape="ramp-hold",
+                         spawn_rate=0.5, api_key="k")
+    env = locust_env(cfg, Path("out/tokens.json"))
+    assert (env["KVSERVE_SHAPE"], env["KVSERVE_SPAWN_RATE"], env["KVSERVE_API_KEY"]) == (
+        "ramp-hold", "0.5", "k")
+    assert env["KVSERVE_USERS"] == "8" and env["KVSERVE_TOKENS_FILE"] == "out/tokens.json"

@@ -406,17 +406,22 @@ def test_autoscaling_follows_a_load_ramp_across_nodes_and_back(sim: SimCluster,
 
     Refusals fall as replicas come up: a replica admits 4 requests (2 running, 2 waiting), Serve
     sends it no more (`max_ongoing_requests` 4, trying the other replicas first) and holds one
-    more (`max_queued_requests` 1). The load rises to 8 users over 24 s, then holds: more than
-    one replica takes, fewer than two do. Serve adds a replica 1 s after the load passes one
-    request per replica (at 2 users, ~3 s in). (24 s of hold: a new replica took 12-31 s to
-    come up here, 9.5 s of it the worker process starting; a 16 s hold left a CI run only 9
-    streams with two replicas, and a 20 s hold with a 4 s upscale delay left ci59 4, the second
-    replica up 41.6 s into a 40 s load.) The summary counts every stream's end under the
-    replica count serving then (`refusals_by_replicas`), refused or not; the refused share must
-    be at most 0.2 while two or more served, and below its share at one. Negative control,
-    measured by hand (2026-12-03, these settings less the two Serve limits, so Serve's default
-    `max_ongoing_requests` 256): Serve sent requests to a full replica, which refused them while
-    the other had room, and the share went only from 0.67 with one replica to 0.50 with two."""
+    more (`max_queued_requests` 1): one replica takes 5 users (a user sends again as soon as its
+    stream ends), two take 10. The load rises one user a second to 8 (`--spawn-rate 1`), then
+    holds for the rest of the 48 s: one replica is overloaded from 5 s in, and stays alone until
+    a second comes up, at the earliest ~12 s after Serve adds it (~3 s in, 1 s after the load
+    passes one request per replica). (A rise over the first half, 24 s, let the second replica
+    come up before one was overloaded on fast runs: ci66 refused 0 of 10 at one replica. A new
+    replica took 12-31 s to come up here, 9.5 s of it the worker process starting; a 16 s hold
+    left a CI run only 9 streams with two replicas, and a 20 s hold with a 4 s upscale delay
+    left ci59 4, the second replica up 41.6 s into a 40 s load.) The summary counts every
+    stream's end under the replica count serving then (`refusals_by_replicas`), refused or not;
+    the refused share must be at most 0.2 while two or more served, and under half its share at
+    one. Negative control, measured by hand (2026-12-03, these settings less the two Serve
+    limits, so Serve's default `max_ongoing_requests` 256): Serve sent requests to a full
+    replica, which refused them while another had room, and the share went only from 0.53 at
+    one replica to 0.28 at two or three (0.67 to 0.50 with the slower rise), failing both
+    bars."""
     config = tmp_path / "autoscaling.yaml"
     config.write_text(AUTOSCALING)
     deploy = sim.kvserve("deploy", "--config", str(config))
@@ -427,8 +432,8 @@ def test_autoscaling_follows_a_load_ramp_across_nodes_and_back(sim: SimCluster,
 
     out, users = tmp_path / "load", 8
     load = sim.kvserve("loadtest", "--target", f"127.0.0.1:{sim.port}", "--users", str(users),
-                       "--shape", "ramp-hold", "--run-time", "48s", "--workload", "short",
-                       "--out", str(out), "--json", timeout=200)
+                       "--shape", "ramp-hold", "--spawn-rate", "1", "--run-time", "48s",
+                       "--workload", "short", "--out", str(out), "--json", timeout=200)
     assert load.returncode == 0, load.stdout[-2000:] + load.stderr[-3000:]
     summary = json.loads(load.stdout)
     print("replicas over time:", summary["replicas_over_time"])
@@ -448,13 +453,10 @@ def test_autoscaling_follows_a_load_ramp_across_nodes_and_back(sim: SimCluster,
     one, more = rows[0], rows[1:]  # one replica; two or more (a third may come up at the end)
     assert one["refused"] > 0, rows  # one replica could not take the rise
     streams, refused = sum(r["streams"] for r in more), sum(r["refused"] for r in more)
-    # with Serve routing around full replicas, few are refused once two serve (0.0-0.075 in
-    # three runs); without it (the control in the docstring), half were
+    # with Serve routing around full replicas, few are refused once two serve; without it (the
+    # control in the docstring), half were
     assert streams >= 10 and refused / streams <= 0.2, rows
-    # ...and fewer than at one replica. (Not "under half" any more: when the second replica comes
-    # up early in the ramp, one replica sees little overload, e.g. ci65: 1 of 7 refused at one,
-    # 5 of 49 at two. The control fails the absolute bar above, 0.50.)
-    assert refused / streams < one["refused_share"], rows
+    assert refused / streams < one["refused_share"] / 2, rows
 
     report = poll(sim.status, lambda r: len(r["replicas"]) == 1, 90, interval_s=1)
     assert [r["state"] for r in report["replicas"]] == ["RUNNING"], report

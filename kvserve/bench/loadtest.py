@@ -34,6 +34,7 @@ LOCUSTFILE = Path(__file__).resolve().with_name("locust") / "locustfile.py"
 WORKLOADS = {"short": ["ShortChatUser"], "long": ["LongPromptUser"], "mixed": ["MixedUser"],
              "multiturn": ["MultiTurnUser"],
              "all": ["ShortChatUser", "LongPromptUser", "MixedUser", "MultiTurnUser"]}
+SPAWN_RATE = 8.0  # users started per second when --spawn-rate is not given (Locust's -r)
 REFUSED = "RESOURCE_EXHAUSTED"  # admission control's answer over gRPC
 REFUSALS = (REFUSED, "HTTP_429")  # ... and over HTTP
 
@@ -43,10 +44,10 @@ class LoadtestConfig:
     target: str
     out: Path
     users: int = 8
-    spawn_rate: float = 8.0
+    spawn_rate: float | None = None  # users/s; None: SPAWN_RATE, ramp-hold's over half the run
     run_time_s: float = 60.0
     workload: str = "mixed"
-    shape: str | None = None  # steady | ramp | spike; None: Locust's own (all users, whole run)
+    shape: str | None = None  # steady | ramp | ramp-hold | spike; None: Locust's own (all users)
     seed: int = 0
     timeout_s: float = 600.0  # each stream's gRPC deadline
     warmup_s: float = 60.0  # memory growth is measured from here (capped at a quarter of the run)
@@ -87,9 +88,24 @@ class LoadtestSummary:
 def locust_command(cfg: LoadtestConfig) -> list[str]:
     prefix = cfg.out / "locust"
     return [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless",
-            "--host", cfg.target, "-u", str(cfg.users), "-r", str(cfg.spawn_rate),
+            "--host", cfg.target, "-u", str(cfg.users), "-r", str(cfg.spawn_rate or SPAWN_RATE),
             "-t", f"{int(cfg.run_time_s)}s", "--stop-timeout", "120", "--csv", str(prefix),
             "--html", str(cfg.out / "report.html"), "--only-summary", *WORKLOADS[cfg.workload]]
+
+
+def locust_env(cfg: LoadtestConfig, tokens_file: Path) -> dict[str, str]:
+    """The locustfile's settings (KVSERVE_*), this run's only: an optional one this run does
+    not set is removed, never inherited from the caller's environment."""
+    env = {**os.environ, "KVSERVE_TOKENS_FILE": str(tokens_file), "KVSERVE_SEED": str(cfg.seed),
+           "KVSERVE_USERS": str(cfg.users), "KVSERVE_RUN_TIME_S": str(cfg.run_time_s),
+           "KVSERVE_TIMEOUT_S": str(cfg.timeout_s), "KVSERVE_PROTOCOL": cfg.protocol}
+    for name, value in (("KVSERVE_API_KEY", cfg.api_key), ("KVSERVE_SHAPE", cfg.shape),
+                        ("KVSERVE_SPAWN_RATE", cfg.spawn_rate)):
+        if value:
+            env[name] = str(value)
+        else:
+            env.pop(name, None)
+    return env
 
 
 def run_locust(cfg: LoadtestConfig) -> LoadtestSummary:
@@ -97,15 +113,9 @@ def run_locust(cfg: LoadtestConfig) -> LoadtestSummary:
         raise ValueError(f"--workload {cfg.workload!r}: choose {', '.join(WORKLOADS)}")
     cfg.out.mkdir(parents=True, exist_ok=True)
     tokens_file = cfg.out / "tokens.json"
-    env = {**os.environ, "KVSERVE_TOKENS_FILE": str(tokens_file), "KVSERVE_SEED": str(cfg.seed),
-           "KVSERVE_USERS": str(cfg.users), "KVSERVE_RUN_TIME_S": str(cfg.run_time_s),
-           "KVSERVE_TIMEOUT_S": str(cfg.timeout_s), "KVSERVE_PROTOCOL": cfg.protocol}
-    if cfg.api_key:
-        env["KVSERVE_API_KEY"] = cfg.api_key
-    if cfg.shape:
-        env["KVSERVE_SHAPE"] = cfg.shape
     start = time.monotonic()
-    done = subprocess.run(locust_command(cfg), env=env, capture_output=True, text=True)
+    done = subprocess.run(locust_command(cfg), env=locust_env(cfg, tokens_file),
+                          capture_output=True, text=True)
     elapsed = time.monotonic() - start
     (cfg.out / "locust.log").write_text(done.stdout + done.stderr)
     if not (cfg.out / "locust_stats.csv").exists():
@@ -234,11 +244,12 @@ def plot_load(summary: LoadtestSummary, path: Path) -> Path:
 def run_sweep(cfg: LoadtestConfig, user_counts: list[int],
               read_rss: Callable[[], dict[str, int]] | None = None,
               wait_idle: Callable[[], None] = lambda: time.sleep(5)) -> list[LoadtestSummary]:
-    """One load per user count, each in `out/users-N/`, the service idle between them."""
+    """One load per user count, each in `out/users-N/`, the service idle between them (without
+    a shape, each starts its users within a second)."""
     summaries = []
     for users in user_counts:
-        point = replace(cfg, users=users, spawn_rate=max(cfg.spawn_rate, users),
-                        out=cfg.out / f"users-{users}")
+        rate = cfg.spawn_rate if cfg.shape else max(cfg.spawn_rate or SPAWN_RATE, users)
+        point = replace(cfg, users=users, spawn_rate=rate, out=cfg.out / f"users-{users}")
         summaries.append(run_load(point, read_rss))
         wait_idle()
     return summaries

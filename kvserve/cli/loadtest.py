@@ -12,7 +12,7 @@ from contextlib import contextmanager, redirect_stdout
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvserve.cli.types import positive_ints, seconds
+from kvserve.cli.types import positive_float, positive_ints, seconds
 
 if TYPE_CHECKING:
     from cluster.local_head import UpState
@@ -37,7 +37,9 @@ def add_loadtest(sub) -> None:
                        description=DESCRIPTION, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--users", type=positive_ints, default=[8],
                    help="concurrent users, or a comma list for a sweep (default 8)")
-    p.add_argument("--spawn-rate", type=float, default=8.0, help="users started per second")
+    p.add_argument("--spawn-rate", type=positive_float, default=None,
+                   help="users started per second (default 8); with --shape ramp-hold, its\n"
+                        "rise (default: up to --users over the first half of the run)")
     p.add_argument("--run-time", type=seconds, default=60.0, help="per load, e.g. 30s, 10m "
                                                                   "(default 60s)")
     p.add_argument("--workload", default="mixed",
@@ -46,8 +48,9 @@ def add_loadtest(sub) -> None:
                         "with shared prefixes (default mixed)")
     p.add_argument("--shape", default=None, choices=["steady", "ramp", "ramp-hold", "spike"],
                    help="load shape over the run: steady (all users throughout), ramp (1 user\n"
-                        "up to --users over the run), ramp-hold (up over the first half, then\n"
-                        "--users), spike (a quarter, --users in the middle fifth, a quarter);\n"
+                        "up to --users over the run), ramp-hold (up over the first half or at\n"
+                        "--spawn-rate, then --users), spike (a quarter, --users in the middle\n"
+                        "fifth, a quarter);\n"
                         "default: Locust's own (all users, started at --spawn-rate)")
     p.add_argument("--target", default=None, metavar="HOST:PORT",
                    help="a running deployment (default: start a local one)")

@@ -43,6 +43,17 @@ def positive_ints(text: str) -> list[int]:
     return values
 
 
+def positive_float(text: str) -> float:
+    """'0.5' -> 0.5: a rate (users per second), above zero."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a number above 0, like 0.5 or 8")
+    return value
+
+
 def floats(text: str) -> list[float]:
     """'0,25,50' -> [0.0, 25.0, 50.0]."""
     try:

@@ -12,7 +12,8 @@ per second, shown in Locust's time columns). A failed stream is a `stream` failu
 gRPC status code (e.g. RESOURCE_EXHAUSTED) or HTTP status (HTTP_429). One channel (or HTTP
 session) per user, reused across its requests.
 Workloads: ShortChatUser, LongPromptUser, MixedUser, MultiTurnUser (tags short, long, mixed,
-multiturn), each seeded. Load shapes: KVSERVE_SHAPE=steady|ramp|ramp-hold|spike (shapes.py).
+multiturn), each seeded. Load shapes: KVSERVE_SHAPE=steady|ramp|ramp-hold|spike (shapes.py;
+KVSERVE_SPAWN_RATE, if set, is ramp-hold's rise in users per second).
 A user whose stream was refused (RESOURCE_EXHAUSTED, UNAVAILABLE, HTTP 429 or 503) backs off
 exponentially with
 jitter before its next request, as gRPC's retry policy would (KVSERVE_BACKOFF_S, default 0.5 s,

@@ -1,7 +1,9 @@
 """Load shapes for the Locust users: steady, ramp, ramp-hold and spike (KVSERVE_SHAPE selects
 one).
 
-Sizes come from KVSERVE_USERS (peak users, default 8) and KVSERVE_RUN_TIME_S (default 60).
+Sizes come from KVSERVE_USERS (peak users, default 8) and KVSERVE_RUN_TIME_S (default 60);
+KVSERVE_SPAWN_RATE (users per second, `kvserve loadtest --spawn-rate`), if set, is ramp-hold's
+rise.
 """
 
 from __future__ import annotations
@@ -17,6 +19,11 @@ def _users() -> int:
 
 def _run_time() -> float:
     return float(os.environ.get("KVSERVE_RUN_TIME_S", "60"))
+
+
+def _spawn_rate() -> float | None:
+    rate = os.environ.get("KVSERVE_SPAWN_RATE")
+    return float(rate) if rate else None
 
 
 class SteadyShape(LoadTestShape):
@@ -39,15 +46,18 @@ class RampShape(LoadTestShape):
 
 
 class RampHoldShape(LoadTestShape):
-    """From 1 user up to the peak over the first half of the run, then the peak for the second
-    half: a load that rises and stays, which autoscaling must catch up with (refusals while one
-    replica takes the rise, none once enough replicas serve the peak)."""
+    """From 1 user up to the peak, then the peak to the end: a load that rises and stays, which
+    autoscaling must catch up with (refusals while one replica takes the rise, none once enough
+    replicas serve the peak). It rises over the first half of the run, or at KVSERVE_SPAWN_RATE
+    users per second: a rise faster than replicas start, so one replica meets the overload."""
 
     def tick(self):
-        t, total = self.get_run_time(), _run_time()
+        t, total, rate = self.get_run_time(), _run_time(), _spawn_rate()
         if t > total:
             return None
-        return max(1, min(_users(), round(_users() * 2 * t / total))), max(1, _users() // 10)
+        if rate is None:
+            return max(1, min(_users(), round(_users() * 2 * t / total))), max(1, _users() // 10)
+        return min(_users(), 1 + int(rate * t)), rate
 
 
 class SpikeShape(LoadTestShape):
