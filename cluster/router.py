@@ -62,6 +62,12 @@ GENERATE_METHOD = "Generate"
 # by more than this. Lower favours balance, higher favours cache hits (long shared prefixes).
 DEFAULT_IMBALANCE_THRESHOLD = 8.0
 DEFAULT_MANAGER_TIMEOUT_S = 0.5  # per call to the cache manager; past it, route on load
+# How long a replica has to say how many requests it holds before Serve's routing passes it
+# over (Serve's default: 0.1 s, doubling on retries up to 1 s). A replica busy with a prefill
+# answers slower than that on a loaded host (ci67: four probes of a holder missed 0.1 s at
+# once, and a chat's turn was prefilled cold on the other replica, 561 tokens, 2 s); passing
+# over the holder costs a whole prefill, waiting costs at most this.
+DEFAULT_QUEUE_LEN_DEADLINE_S = 0.5
 DEFAULT_MANAGER_RETRY_S = 5.0  # after a failure, look the manager up again no sooner
 # requests wait for the tokenizer until this long after its load began (one deadline for all)
 DEFAULT_TOKENIZER_WAIT_S = 10.0
@@ -142,6 +148,7 @@ class RouterSettings:
 
     `model` must be the engine's (`EngineConfig.model`): its tokenizer makes the hashes.
     `replica_capacity`: the requests a replica admits (running + waiting; None: no bound).
+    `queue_len_deadline_s`: how long a replica's probe may take before Serve passes it over.
     `deployment_name` names the cache manager to ask (default: the routed deployment's)."""
 
     model: str | None = None
@@ -149,6 +156,7 @@ class RouterSettings:
     min_matched_blocks: int = 1
     replica_capacity: int | None = None
     manager_timeout_s: float = DEFAULT_MANAGER_TIMEOUT_S
+    queue_len_deadline_s: float = DEFAULT_QUEUE_LEN_DEADLINE_S
     manager_retry_s: float = DEFAULT_MANAGER_RETRY_S
     tokenizer_wait_s: float = DEFAULT_TOKENIZER_WAIT_S
     deployment_name: str | None = None
@@ -191,6 +199,11 @@ class CacheAwareRouter(RequestRouter):
         self._capacity = settings.replica_capacity
         self._manager_timeout_s = settings.manager_timeout_s
         self._manager_retry_s = settings.manager_retry_s
+        # Serve's own deadline attributes (public on RequestRouter), read by every probe of this
+        # router's: the first try's, then doubling up to the maximum
+        self.queue_len_response_deadline_s = float(settings.queue_len_deadline_s)
+        self.max_queue_len_response_deadline_s = max(self.max_queue_len_response_deadline_s,
+                                                     self.queue_len_response_deadline_s)
         self._tokenizer_wait_s = settings.tokenizer_wait_s
         self._deployment_name = (settings.deployment_name
                                  or deployment_key(*routed_deployment(self)))

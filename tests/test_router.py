@@ -187,14 +187,17 @@ def test_generate_request_from_the_grpc_proxy_or_a_python_handle():
 class FakeReplica:
     """What Serve's router reads from a RunningReplica."""
 
-    def __init__(self, name: str, queue_len: int = 0, max_ongoing: int = 64) -> None:
+    def __init__(self, name: str, queue_len: int = 0, max_ongoing: int = 64,
+                 answer_s: float = 0.0) -> None:
         self.replica_id = ReplicaID(unique_id=name, deployment_id=DEPLOYMENT)
         self.queue_len, self.max_ongoing_requests = queue_len, max_ongoing
+        self.answer_s = answer_s  # how long it takes to tell its queue length
         self.node_id, self.availability_zone = "node", None
         self.multiplexed_model_ids: set[str] = set()
         self.routing_stats: dict[str, Any] = {}
 
     async def get_queue_len(self, *, deadline_s: float) -> int:
+        await asyncio.sleep(self.answer_s)
         return self.queue_len
 
 
@@ -340,6 +343,22 @@ def test_a_full_holder_is_skipped_by_serve(monkeypatch):
         assert await route(router, ids_request(PROMPT)) == "b"
 
     asyncio.run(run())
+
+
+def test_a_holder_slow_to_tell_its_queue_length_still_gets_its_request(monkeypatch):
+    """A replica busy with a prefill may take longer than Serve's 0.1 s to answer the queue
+    length probe; Serve then passes it over, and the prompt is prefilled cold elsewhere (ci67's
+    routed multi-turn test). The router's deadline (0.5 s) waits for the holder; Serve's own
+    deadline, the negative control, sends the request to the cold replica."""
+    use_manager(monkeypatch, FakeManager({"a": HASHES}))
+
+    async def run(**settings: Any) -> str:
+        router = make_router([FakeReplica("a", 1, answer_s=0.25), FakeReplica("b", 0)],
+                             **settings)
+        return await route(router, ids_request(PROMPT))
+
+    assert asyncio.run(run()) == "a"
+    assert asyncio.run(run(queue_len_deadline_s=0.1)) == "b"
 
 
 def test_salted_prompts_only_match_their_own_tenant(monkeypatch):
