@@ -344,6 +344,8 @@ class CacheAwareRouter(RequestRouter):
             result = await asyncio.wait_for(getattr(manager, method).remote(*args),
                                             self._manager_timeout_s)
         except Exception as exc:  # dead actor, timeout, error in the manager
+            if manager is not self._manager:  # a concurrent call's failure already forgot it
+                raise ManagerUnavailableError from exc
             self._manager, self._block_size = None, None
             # A dead actor's name may already belong to its successor: an app redeployed under
             # the same name starts a new manager, which Serve's proxy, keeping this router,

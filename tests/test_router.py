@@ -413,6 +413,31 @@ def test_a_dead_manager_is_looked_up_again_at_once_then_its_successor_is_used(mo
     asyncio.run(run())
 
 
+def test_concurrent_calls_to_a_dead_manager_look_up_its_successor_at_once(monkeypatch):
+    """After a redeploy, requests in flight together all find the old manager dead. Only the
+    first failure decides what happens (look the name up again at once); the others must not
+    count as a second death in a row, which would ignore the successor for manager_retry_s
+    (seen in ci67-ci69's proxy logs: "routing on load for 0 s", then "for 5 s")."""
+    from ray.exceptions import ActorDiedError
+
+    old = FakeManager({"a": HASHES}, delay_s=0.05)
+    successor = FakeManager({"a": HASHES})
+    found = iter([old, successor])
+    patch_router(monkeypatch, "_lookup_manager", lambda name: next(found))
+
+    async def run() -> None:
+        router = make_router([FakeReplica("a", 2), FakeReplica("b", 0)], manager_retry_s=60)
+        assert await route(router, ids_request(PROMPT), rid="before") == "a"
+        old.error = ActorDiedError()  # the app is redeployed: its manager is replaced
+        together = await asyncio.gather(*(route(router, ids_request(PROMPT), rid=f"c{i}")
+                                          for i in range(2)))
+        assert together == ["b", "b"]  # the dead one failed both: on load
+        assert await route(router, ids_request(PROMPT), rid="next") == "a"  # the successor
+
+    asyncio.run(run())
+    assert len(old.asked) == 3 and len(successor.asked) == 1
+
+
 def test_a_slow_manager_times_out_and_routing_goes_on(monkeypatch):
     manager = FakeManager({"a": HASHES}, delay_s=5.0)
     use_manager(monkeypatch, manager)
