@@ -37,7 +37,7 @@ from typing import Any
 
 from cluster.http_ingress import PROXY_CALLBACK, PROXY_CALLBACK_ENV
 from cluster.ray_compat import NO_WORKER_PRESTART_ENV, reload_auth_config, sigterm_handler_kept
-from kvserve.process import cmdline, die_with_parent, pid_alive
+from kvserve.process import cmdline, die_with_parent, pid_alive, pids_with
 from workers.config import cache_root
 
 STATE_FILE = "up.json"
@@ -219,20 +219,27 @@ def start_head(num_cpus: int, timeout: float = 120, fate_share: bool = False,
     for name in ("RAY_ADDRESS", "RAY_AUTH_TOKEN"):
         env.pop(name, None)
     log = open(Path(temp_dir) / "ray-start.log", "w")  # noqa: SIM115 - handed to the child
-    with log:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log,
-                                stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                preexec_fn=die_with_parent() if fate_share else None)
     address_file = Path(temp_dir) / "ray_current_cluster"
     deadline = time.monotonic() + timeout
+    proc = None
     try:
+        with log:
+            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log,
+                                    stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                    preexec_fn=die_with_parent() if fate_share else None)
         while not address_file.exists() or not address_file.read_text().strip():
             if proc.poll() is not None or time.monotonic() > deadline:
                 tail = (Path(temp_dir) / "ray-start.log").read_text()[-3000:]
                 raise RuntimeError(f"ray start --head failed (exit {proc.poll()}):\n{tail}")
             time.sleep(0.2)
     except BaseException:  # a failure, or an interrupt (Ctrl-C, SIGTERM) while it starts
-        stop_head(proc.pid, temp_dir)
+        # An interrupt inside Popen, after the child exec'd but before Popen returned (the
+        # parent still waiting to be scheduled on a busy host: ci70), leaves no `proc`: the
+        # head is found by its temp dir.
+        heads = [proc.pid] if proc is not None else pids_with("start --head", temp_dir)
+        for pid in heads:
+            stop_head(pid, temp_dir)
+        shutil.rmtree(temp_dir, ignore_errors=True)
         raise
     return UpState(address=address_file.read_text().strip(), started_head=True, grpc_port=0,
                    head_pid=proc.pid, temp_dir=temp_dir,

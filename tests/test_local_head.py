@@ -162,3 +162,33 @@ def test_a_gpu_config_runs_on_the_cpu_only_on_kvserves_logical_gpus():
 
 def test_nodes_can_declare_more_cpus_than_the_machine_has():
     assert local_head.LocalNodes(3, 1, cpus=4).cpus_per_node(3) == 4
+
+
+def test_an_interrupt_inside_popen_still_stops_the_head_it_started(monkeypatch):
+    """A SIGTERM (as KeyboardInterrupt) that lands while `subprocess.Popen` waits for the
+    head's exec leaves start_head no `proc`: the head is found by its temp dir and stopped
+    (ci70: `kvserve loadtest` ended by SIGTERM while its head started; the head outlived it).
+    A stand-in process with the head's command line plays the head: no Ray starts."""
+    started: list[subprocess.Popen] = []
+    real_popen = subprocess.Popen
+
+    def popen_then_interrupted(cmd, **kwargs):
+        kwargs.pop("preexec_fn", None)
+        # SIGTERM's default action, as `ray start` handles it (a pytest-xdist worker's
+        # children inherit it ignored)
+        stand_in = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_DFL); "
+                    "time.sleep(60)")
+        started.append(real_popen([sys.executable, "-c", stand_in, *cmd], **kwargs))
+        raise KeyboardInterrupt  # after the fork and exec, before Popen returns
+
+    monkeypatch.setattr(local_head.subprocess, "Popen", popen_then_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        local_head.start_head(1, dashboard=False)
+    [head] = started
+    try:
+        assert head.wait(timeout=10) is not None  # stopped, not left running
+        temp_dir = next(a for a in head.args if a.startswith("--temp-dir=")).split("=", 1)[1]
+        assert not Path(temp_dir).exists()
+    finally:
+        if head.poll() is None:
+            head.kill()
