@@ -242,3 +242,13 @@ def test_loadtest_passes_the_locustfile_this_runs_settings_and_no_stale_ones(mon
     assert (env["KVSERVE_SHAPE"], env["KVSERVE_SPAWN_RATE"], env["KVSERVE_API_KEY"]) == (
         "ramp-hold", "0.5", "k")
     assert env["KVSERVE_USERS"] == "8" and env["KVSERVE_TOKENS_FILE"] == "out/tokens.json"
+
+
+def test_a_spawn_rate_that_is_not_above_zero_is_refused_naming_the_flag():
+    """`--spawn-rate 0` (or a word) is a usage error naming the flag, before anything starts."""
+    from tests.test_cli import run
+
+    for bad in ("0", "-1", "fast"):
+        out = run("loadtest", "--spawn-rate", bad, "--target", "127.0.0.1:1")
+        assert out.returncode == 2, out.stderr
+        assert f"argument --spawn-rate: {bad!r}: give a number above 0" in out.stderr
