@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -173,12 +174,12 @@ def test_an_interrupt_inside_popen_still_stops_the_head_it_started(monkeypatch):
     real_popen = subprocess.Popen
 
     def popen_then_interrupted(cmd, **kwargs):
-        kwargs.pop("preexec_fn", None)
-        # SIGTERM's default action, as `ray start` handles it (a pytest-xdist worker's
-        # children inherit it ignored)
-        stand_in = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_DFL); "
-                    "time.sleep(60)")
-        started.append(real_popen([sys.executable, "-c", stand_in, *cmd], **kwargs))
+        # SIGTERM's default action from before the exec, as `ray start` handles it (a
+        # pytest-xdist worker's children inherit it ignored; set inside the stand-in, a SIGTERM
+        # before its interpreter started was lost: ci72)
+        kwargs["preexec_fn"] = lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        started.append(real_popen([sys.executable, "-c", "import time; time.sleep(60)", *cmd],
+                                  **kwargs))
         raise KeyboardInterrupt  # after the fork and exec, before Popen returns
 
     monkeypatch.setattr(local_head.subprocess, "Popen", popen_then_interrupted)
