@@ -115,8 +115,7 @@ def test_chaos_leaves_an_exact_index_no_leaks_and_no_crossed_outputs(real_engine
     redis = start_embedded(tmp_path / "redis")  # an external Redis (REDIS_URL) we can restart
     shared = document(0)
     prompts = [f"{shared}\nQuestion {i}: what did ship {i} carry?" for i in range(10)]
-    # 48 tokens: a stream lasts long enough that the replica picked as busy is still streaming
-    # when the kill lands
+    # 48 tokens: a stream that has some tokens still has 16 or more to come for a while
     params = {"temperature": 0, "max_tokens": 48, "ignore_eos": True}
     expected = solo_ids_each(real_engine, [{"prompt": p, "params": params} for p in prompts])
     app = {"replicas": 2, "num_cpus_per_replica": 1, "kv_cache_memory": "64MiB",
@@ -131,9 +130,9 @@ def test_chaos_leaves_an_exact_index_no_leaks_and_no_crossed_outputs(real_engine
             results = traffic.results
             assert all(r.ids == expected[r.index] for r in results if r.error is None)
             assert {r.error for r in results} <= {None, "UNAVAILABLE"}, results
-            interrupted = [r for r in results if r.error and r.tokens > 0
-                           and r.sent_at < began < r.ended_at]
-            assert interrupted, "the kill cut no stream: the killed replica was idle"
+            cut = [r for r in results if r.request_id in traffic.killed_streams]
+            assert cut and all(r.error == "UNAVAILABLE" and r.tokens > 0
+                               and r.sent_at < began < r.ended_at for r in cut), cut
             assert len(after) >= 4, f"{len(after)} requests finished after the chaos"
             _wait_for_running_replicas(served, 2)
             manager = cache_manager.get(served.manager_key)
@@ -178,6 +177,7 @@ def test_multi_turn_chats_stay_on_the_replica_holding_their_history(routed):
 class _Request:
     index: int  # into the prompts
     sent_at: float  # time.monotonic() when the client sent it
+    request_id: str = ""  # sent with it: the engine on the replica knows it by this id
     ended_at: float = 0.0
     tokens: int = 0  # token ids received
     ids: list[int] = field(default_factory=list)
@@ -191,13 +191,16 @@ class _Traffic:
     def __init__(self, served, prompts: list[str], params: dict) -> None:
         self.served, self.prompts, self.params = served, prompts, params
         self.results: list[_Request] = []
+        self.in_flight: dict[str, _Request] = {}  # request id -> a request not yet ended
+        self.killed_streams: set[str] = set()  # ids of the streams running where _chaos killed
         self.stop = threading.Event()
 
     def _client(self, k: int) -> None:
         i = k
         while not self.stop.is_set():
-            r = _Request(i % len(self.prompts), time.monotonic())
-            request = pb.GenerateRequest(prompt=self.prompts[r.index],
+            r = _Request(i % len(self.prompts), time.monotonic(), f"chaos-{i}")
+            self.in_flight[r.request_id] = r
+            request = pb.GenerateRequest(request_id=r.request_id, prompt=self.prompts[r.index],
                                          params=pb.SamplingParams(**self.params))
             try:
                 for response in self.served.stub.Generate(request, metadata=self.served.metadata,
@@ -208,6 +211,7 @@ class _Traffic:
                 r.error = exc.code().name
             r.ended_at = time.monotonic()
             self.results.append(r)
+            del self.in_flight[r.request_id]
             i += 4
 
     @contextlib.contextmanager
@@ -238,15 +242,12 @@ def _chaos(served, redis, traffic: _Traffic):
         traffic.wait_for(lambda r: True, seen + 2, timeout_s=120)
 
     traffic.wait_for(lambda r: r.error is None, 4)  # both replicas warm, prefixes cached
-    # the replica with the most streams, and at least two: a row is up to a second old, and
-    # cache-aware routing may send every client to the replica holding the shared prefix, so a
-    # replica with one stream a second ago may be idle now (killing it would test nothing)
-    busy = poll(lambda: sorted(_replica_rows(served.handle, timeout=5),
-                               key=lambda r: -r["running"]),
-                lambda rows: bool(rows) and rows[0]["running"] >= 2, 60, 0.05)
-    assert busy and busy[0]["running"] >= 2, f"no replica was streaming: {busy}"
+    victim = poll(lambda: _streaming_replica(served, traffic), bool, 60, 0.05)
+    assert victim, "no replica held a stream that had tokens and many more to come"
+    pid, streams = victim
     began = time.monotonic()
-    os.kill(busy[0]["pid"], signal.SIGKILL)
+    os.kill(pid, signal.SIGKILL)
+    traffic.killed_streams = streams
     two_more()
     data_dir = Path(redis.url.removeprefix("unix://")).parent
     redis.stop_server()
@@ -255,6 +256,26 @@ def _chaos(served, redis, traffic: _Traffic):
     ray.kill(cache_manager.get(served.manager_key), no_restart=False)  # Ray restarts it
     two_more()
     return redis, began, time.monotonic()
+
+
+def _streaming_replica(served, traffic: _Traffic) -> tuple[int, set[str]] | None:
+    """The pid of a replica running streams this test's clients are receiving, each with at
+    least 16 tokens still to come (the kill lands long before they could end), and their ids;
+    None if there is none at this moment. Asking the replicas which requests they run, rather
+    than reading their `running` counts, never picks a replica that has just gone idle (and
+    cache-aware routing may well send every client to the replica holding the prefix)."""
+    pids = {row["replica_id"]: row["pid"] for row in _replica_rows(served.handle, timeout=5)}
+    states = served.handle.broadcast("kv_state").results(timeout_s=5, return_exceptions=True)
+    # after the replicas answered: a stream they held that is still running now is still there
+    budget = traffic.params["max_tokens"] - 16
+    live = {rid for rid, r in list(traffic.in_flight.items()) if 0 < r.tokens <= budget}
+    held = [(len(found), state.replica_id, found) for state in states
+            if not isinstance(state, BaseException) and state.replica_id in pids
+            and (found := live & set(state.requests))]
+    if not held:
+        return None
+    _, replica_id, found = max(held)
+    return pids[replica_id], found
 
 
 def _wait_for_running_replicas(served: Served, count: int, timeout: float = 120) -> None:
