@@ -264,26 +264,32 @@ def start_worker_nodes(state: UpState, count: int, num_cpus: int, num_gpus: int 
         env[LOGICAL_GPUS_ENV] = "1"
     env |= NO_WORKER_PRESTART_ENV  # more CPUs declared than the machine has
     pids: list[int] = []
+    starting: tuple[str, str] | None = None
     deadline = time.monotonic() + timeout
     try:
         for i in range(count):
+            # the temp dir and agent port name this node's process (no other node has both)
+            marks = (f"--temp-dir={state.temp_dir}", f"--dashboard-agent-listen-port={free_port()}")
             cmd = [str(ray_bin), "start", f"--address={state.address}", "--block",
                    "--disable-usage-stats", f"--num-cpus={num_cpus}", f"--num-gpus={num_gpus}",
-                   f"--temp-dir={state.temp_dir}", f"--dashboard-agent-listen-port={free_port()}",
-                   f"--metrics-export-port={free_port()}"]
+                   *marks, f"--metrics-export-port={free_port()}"]
             log = Path(state.temp_dir) / f"ray-start-node-{i + 1}.log"
+            starting = marks  # until Popen returns its pid
             with open(log, "w") as out:
                 proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out,
                                         stderr=subprocess.STDOUT, env=env,
                                         start_new_session=True,
                                         preexec_fn=die_with_parent() if fate_share else None)
             pids.append(proc.pid)
+            starting = None
             while "Ray runtime started" not in log.read_text():
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"ray start --address failed (exit {proc.poll()}):\n"
                                        f"{log.read_text()[-3000:]}")
                 time.sleep(0.2)
     except BaseException:
+        if starting is not None:  # interrupted inside Popen (as start_head can be)
+            pids += pids_with(*starting)
         _stop_sessions(pids, state.temp_dir)
         raise
     return pids

@@ -165,11 +165,11 @@ def test_nodes_can_declare_more_cpus_than_the_machine_has():
     assert local_head.LocalNodes(3, 1, cpus=4).cpus_per_node(3) == 4
 
 
-def test_an_interrupt_inside_popen_still_stops_the_head_it_started(monkeypatch):
-    """A SIGTERM (as KeyboardInterrupt) that lands while `subprocess.Popen` waits for the
-    head's exec leaves start_head no `proc`: the head is found by its temp dir and stopped
-    (ci70: `kvserve loadtest` ended by SIGTERM while its head started; the head outlived it).
-    A stand-in process with the head's command line plays the head: no Ray starts."""
+@pytest.fixture
+def interrupted_popen(monkeypatch) -> list[subprocess.Popen]:
+    """`subprocess.Popen` in local_head starts a stand-in with the `ray start` command line (no
+    Ray starts), then raises KeyboardInterrupt as a SIGTERM would that lands while Popen waits
+    for the child's exec: the caller gets no `proc`. Yields the stand-ins started."""
     started: list[subprocess.Popen] = []
     real_popen = subprocess.Popen
 
@@ -183,13 +183,41 @@ def test_an_interrupt_inside_popen_still_stops_the_head_it_started(monkeypatch):
         raise KeyboardInterrupt  # after the fork and exec, before Popen returns
 
     monkeypatch.setattr(local_head.subprocess, "Popen", popen_then_interrupted)
+    yield started
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_an_interrupt_inside_popen_still_stops_the_head_it_started(interrupted_popen):
+    """The head is found by its temp dir and stopped (ci70: `kvserve loadtest` ended by SIGTERM
+    while its head started; the head outlived it)."""
     with pytest.raises(KeyboardInterrupt):
         local_head.start_head(1, dashboard=False)
-    [head] = started
-    try:
-        assert head.wait(timeout=10) is not None  # stopped, not left running
-        temp_dir = next(a for a in head.args if a.startswith("--temp-dir=")).split("=", 1)[1]
-        assert not Path(temp_dir).exists()
-    finally:
-        if head.poll() is None:
-            head.kill()
+    [head] = interrupted_popen
+    assert head.wait(timeout=10) is not None  # stopped, not left running
+    temp_dir = next(a for a in head.args if a.startswith("--temp-dir=")).split("=", 1)[1]
+    assert not Path(temp_dir).exists()
+
+
+@pytest.fixture
+def earlier_node(tmp_path) -> subprocess.Popen:
+    """A stand-in for a worker node started before, in the cluster's temp dir `tmp_path`
+    (requested before `interrupted_popen`, it starts while Popen is still Popen)."""
+    node = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "ray",
+                             "start", f"--temp-dir={tmp_path}", "--dashboard-agent-listen-port=1"])
+    yield node
+    node.kill()
+
+
+def test_an_interrupt_inside_popen_still_stops_the_worker_node_it_started(
+        earlier_node, interrupted_popen, tmp_path):
+    """`kvserve up --local-nodes`: the node being started is found by its temp dir and agent
+    port and stopped; a node of the same cluster started before the call is left alone."""
+    state = local_head.UpState(address="127.0.0.1:1", started_head=True, grpc_port=0,
+                               temp_dir=str(tmp_path))
+    with pytest.raises(KeyboardInterrupt):
+        local_head.start_worker_nodes(state, 2, num_cpus=1)
+    [node] = interrupted_popen
+    assert node.wait(timeout=40) is not None  # stopped, not left running
+    assert earlier_node.poll() is None
