@@ -1,4 +1,5 @@
-"""`kvserve bench throughput|prefix|serve|speculative`: kvserve against peer baselines."""
+"""`kvserve bench throughput|prefix|serve|speculative`: kvserve against peer baselines;
+`kvserve bench machine`: the machine's own rates, which those numbers depend on."""
 
 from __future__ import annotations
 
@@ -48,6 +49,30 @@ def add_bench(sub) -> None:
     _add_bench_serve(bench)
     _add_bench_prefix(bench)
     _add_bench_speculative(bench)
+    _add_bench_machine(bench)
+
+
+def _add_bench_machine(bench) -> None:
+    b = bench.add_parser(
+        "machine", help="this machine's memory bandwidth and GEMM rates, now (~3 s)",
+        description="Measure the rates other numbers depend on, as they are right now on this "
+                    "(possibly shared) machine: memory read bandwidth (a sum() over a fresh "
+                    "512 MiB buffer: batch-1 decode's bound), fp32 and bf16 GEMM GFLOP/s "
+                    "(1024 x 1024 x 1024: prefill's and large batches' bound), with torch's "
+                    "threads, and the share of CPU time the hypervisor stole meanwhile. Quote "
+                    "benchmark numbers and CI times with it.")
+    b.add_argument("--json", action="store_true",
+                   help="print one JSON object (cpu, threads, memory_read_gb_s, "
+                        "fp32_gemm_gflop_s, bf16_gemm_gflop_s, stolen_pct)")
+    b.set_defaults(run=_run_bench_machine)
+
+
+def _run_bench_machine(args: argparse.Namespace) -> int:
+    from kvserve.bench.machine import measure_machine
+
+    gauge = measure_machine()
+    print(json.dumps(gauge.to_dict()) if args.json else gauge.summary())
+    return 0
 
 
 def _add_bench_speculative(bench) -> None:

@@ -1,0 +1,75 @@
+"""`kvserve bench machine`: how fast this machine is right now, in the units the other
+benchmarks divide by.
+
+Why: the shared VMs this project runs on change speed from one day to the next (CI of nearly
+the same code took 9 min 46 s one day and 16 min 21 s another, every test about 1.6x slower; a
+sum over the model's weights took 8.6 ms one day and 17 ms another). A number from `kvserve
+bench throughput` or a CI time means little without the machine's own rates beside it: memory
+read bandwidth (what batch-1 decode is bound by), fp32 and bf16 GEMM rates (what prefill and
+large batches are bound by), and the CPU time the hypervisor stole while they ran. `.ci/run`
+prints it before and after the suite.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from kvserve.bench.baselines import measure_memory_bandwidth
+from kvserve.bench.linear import seconds_per_call
+from workers.model_executor.cpu_kernels import cpu_summary
+
+GEMM_N = 1024  # square: 2.1 GFLOP a call, large enough for every core, small enough to repeat
+
+
+@dataclass(frozen=True)
+class MachineGauge:
+    cpu: str  # model and the flags that decide matmul rates
+    threads: int  # torch intra-op threads the rates were measured with
+    memory_read_gb_s: float  # best sum() over a fresh 512 MiB fp32 buffer
+    fp32_gemm_gflop_s: float  # best [N, N] @ [N, N], N = GEMM_N
+    bf16_gemm_gflop_s: float
+    stolen_pct: float  # of the CPU time while the gauge ran, taken by the hypervisor
+
+    def summary(self) -> str:
+        return (f"machine: {self.cpu}, {self.threads} threads: memory read "
+                f"{self.memory_read_gb_s:.1f} GB/s, GEMM fp32 {self.fp32_gemm_gflop_s:.0f} / "
+                f"bf16 {self.bf16_gemm_gflop_s:.0f} GFLOP/s, {self.stolen_pct:.1f} % stolen")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def gemm_gflop_s(dtype: torch.dtype, n: int = GEMM_N, budget_s: float = 0.5) -> float:
+    """The best rate of an [n, n] @ [n, n] matmul in `dtype` over about `budget_s`."""
+    a = torch.randn(n, n).to(dtype)
+    b = torch.randn(n, n).to(dtype)
+    return 2 * n**3 / seconds_per_call(lambda: a @ b, budget_s) / 1e9
+
+
+def cpu_ticks() -> tuple[int, int]:
+    """(all, stolen) CPU clock ticks since boot, from /proc/stat; (0, 0) where there is none."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    except OSError:
+        return 0, 0
+    ticks = [int(f) for f in fields[:8]]  # user nice system idle iowait irq softirq steal
+    return sum(ticks), ticks[7] if len(ticks) > 7 else 0
+
+
+def stolen_pct(before: tuple[int, int], after: tuple[int, int]) -> float:
+    """Stolen share of the CPU ticks between two `cpu_ticks()` readings, in percent."""
+    total = after[0] - before[0]
+    return 100.0 * (after[1] - before[1]) / total if total > 0 else 0.0
+
+
+def measure_machine(budget_s: float = 0.5) -> MachineGauge:
+    """Measure this machine's rates now (about 3 s with the default budget)."""
+    before = cpu_ticks()
+    memory = measure_memory_bandwidth()
+    fp32 = gemm_gflop_s(torch.float32, budget_s=budget_s)
+    bf16 = gemm_gflop_s(torch.bfloat16, budget_s=budget_s)
+    return MachineGauge(cpu_summary(), torch.get_num_threads(), memory / 1e9, fp32, bf16,
+                        stolen_pct(before, cpu_ticks()))
