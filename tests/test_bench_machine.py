@@ -44,6 +44,7 @@ def test_bench_machine_json_names_the_cpu_and_measures_every_rate():
     assert 1 < report["memory_read_gb_s"] < 2000
     assert 5 < report["fp32_gemm_gflop_s"] < 100_000
     assert 5 < report["bf16_gemm_gflop_s"] < 100_000
+    assert 1 < report["python_loop_ns"] < 10_000  # CPython: tens of ns an iteration
     assert 0 <= report["stolen_pct"] <= 100
 
 

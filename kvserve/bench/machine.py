@@ -2,16 +2,19 @@
 benchmarks divide by.
 
 Why: the shared VMs this project runs on change speed from one day to the next (CI of nearly
-the same code took 9 min 46 s one day and 16 min 21 s another, every test about 1.6x slower; a
-sum over the model's weights took 8.6 ms one day and 17 ms another). A number from `kvserve
+the same code took 9 min 46 s to 11 min 11 s one day and 14 min 23 s to 16 min 21 s the next,
+about every test 1.5x slower; the greedy suite, pure compute, took 139 s alone on an idle
+machine the second day against 94-101 s inside full runs the first). A number from `kvserve
 bench throughput` or a CI time means little without the machine's own rates beside it: memory
 read bandwidth (what batch-1 decode is bound by), fp32 and bf16 GEMM rates (what prefill and
-large batches are bound by), and the CPU time the hypervisor stole while they ran. `.ci/run`
-prints it before and after the suite.
+large batches are bound by), a bare Python loop's speed (what the interpreter-bound rest is bound
+by) and the CPU time the hypervisor stole while they ran. `.ci/run` prints it before and after
+the suite.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -31,12 +34,14 @@ class MachineGauge:
     memory_read_gb_s: float  # best sum() over a fresh 512 MiB fp32 buffer
     fp32_gemm_gflop_s: float  # best [N, N] @ [N, N], N = GEMM_N
     bf16_gemm_gflop_s: float
+    python_loop_ns: float  # best ns per iteration of `for i in range(n): s += i`
     stolen_pct: float  # of the CPU time while the gauge ran, taken by the hypervisor
 
     def summary(self) -> str:
         return (f"machine: {self.cpu}, {self.threads} threads: memory read "
                 f"{self.memory_read_gb_s:.1f} GB/s, GEMM fp32 {self.fp32_gemm_gflop_s:.0f} / "
-                f"bf16 {self.bf16_gemm_gflop_s:.0f} GFLOP/s, {self.stolen_pct:.1f} % stolen")
+                f"bf16 {self.bf16_gemm_gflop_s:.0f} GFLOP/s, Python loop "
+                f"{self.python_loop_ns:.0f} ns/iter, {self.stolen_pct:.1f} % stolen")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -47,6 +52,20 @@ def gemm_gflop_s(dtype: torch.dtype, n: int = GEMM_N, budget_s: float = 0.5) -> 
     a = torch.randn(n, n).to(dtype)
     b = torch.randn(n, n).to(dtype)
     return 2 * n**3 / seconds_per_call(lambda: a @ b, budget_s) / 1e9
+
+
+def python_loop_ns(iterations: int = 200_000, repeats: int = 5) -> float:
+    """Best nanoseconds per iteration of a bare interpreter loop: the speed of what is bound by
+    Python rather than by matmuls (scheduling, Ray, gRPC, transformers' small-batch decode, most
+    of the test suite), which can differ from one day to the next while the GEMM rates do not."""
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        total = 0
+        for i in range(iterations):
+            total += i
+        best = min(best, time.perf_counter() - start)
+    return best / iterations * 1e9
 
 
 def cpu_ticks() -> tuple[int, int]:
@@ -72,4 +91,4 @@ def measure_machine(budget_s: float = 0.5) -> MachineGauge:
     fp32 = gemm_gflop_s(torch.float32, budget_s=budget_s)
     bf16 = gemm_gflop_s(torch.bfloat16, budget_s=budget_s)
     return MachineGauge(cpu_summary(), torch.get_num_threads(), memory / 1e9, fp32, bf16,
-                        stolen_pct(before, cpu_ticks()))
+                        python_loop_ns(), stolen_pct(before, cpu_ticks()))

@@ -59,11 +59,13 @@ def _add_bench_machine(bench) -> None:
                     "(possibly shared) machine: memory read bandwidth (a sum() over a fresh "
                     "512 MiB buffer: batch-1 decode's bound), fp32 and bf16 GEMM GFLOP/s "
                     "(1024 x 1024 x 1024: prefill's and large batches' bound), with torch's "
-                    "threads, and the share of CPU time the hypervisor stole meanwhile. Quote "
-                    "benchmark numbers and CI times with it.")
+                    "threads, a bare Python loop's ns/iteration (what interpreter-bound work "
+                    "runs at: scheduling, Ray, gRPC, most tests), and the share of CPU time "
+                    "the hypervisor stole meanwhile. Quote benchmark numbers and CI times with "
+                    "it.")
     b.add_argument("--json", action="store_true",
                    help="print one JSON object (cpu, threads, memory_read_gb_s, "
-                        "fp32_gemm_gflop_s, bf16_gemm_gflop_s, stolen_pct)")
+                        "fp32_gemm_gflop_s, bf16_gemm_gflop_s, python_loop_ns, stolen_pct)")
     b.set_defaults(run=_run_bench_machine)
 
 
