@@ -14,7 +14,6 @@ the suite.
 
 from __future__ import annotations
 
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -54,18 +53,18 @@ def gemm_gflop_s(dtype: torch.dtype, n: int = GEMM_N, budget_s: float = 0.5) -> 
     return 2 * n**3 / seconds_per_call(lambda: a @ b, budget_s) / 1e9
 
 
-def python_loop_ns(iterations: int = 200_000, repeats: int = 5) -> float:
+def python_loop_ns(iterations: int = 200_000, budget_s: float = 0.1) -> float:
     """Best nanoseconds per iteration of a bare interpreter loop: the speed of what is bound by
     Python rather than by matmuls (scheduling, Ray, gRPC, transformers' small-batch decode, most
     of the test suite), which can differ from one day to the next while the GEMM rates do not."""
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
+
+    def loop() -> int:
         total = 0
         for i in range(iterations):
             total += i
-        best = min(best, time.perf_counter() - start)
-    return best / iterations * 1e9
+        return total
+
+    return seconds_per_call(loop, budget_s) / iterations * 1e9
 
 
 def cpu_ticks() -> tuple[int, int]:
