@@ -39,6 +39,7 @@ class ReplicaStatus:
     node_id: str = ""  # the Ray node it runs on
     gpu_ids: list[str] = field(default_factory=list)  # the GPUs Ray gave it (logical ones too)
     device: str = ""  # where its engine runs: cpu, cuda:0, ...
+    kv_pool_bytes: int = 0  # of rss_bytes, the KV pool's pages written so far (EngineLoad)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -57,6 +58,7 @@ class ReplicaStatus:
             node_id=str(values.get("node_id", "")),
             gpu_ids=[str(g) for g in values.get("gpu_ids", [])],
             device=str(values.get("device", "")),
+            kv_pool_bytes=int(values.get("kv_pool_bytes", 0)),
         )
 
 
@@ -114,8 +116,9 @@ def delete_all() -> None:
 class StatusPublisher:
     """Publishes one replica's row every `interval` seconds from a daemon thread.
 
-    `snapshot` returns (running, waiting, kv_cache_usage); it is called from the thread, so it
-    must only read (lengths of the scheduler's queues, the block pool's usage).
+    `snapshot` returns (running, waiting, kv_cache_usage[, kv_pool_ram_bytes]): an `EngineLoad`;
+    it is called from the thread, so it must only read (lengths of the scheduler's queues, the
+    block pool's usage).
     """
 
     def __init__(self, snapshot: Callable[[], tuple[int, int, float]],
@@ -133,10 +136,10 @@ class StatusPublisher:
         self._warned = False
 
     def current(self) -> ReplicaStatus:
-        running, waiting, usage = self.snapshot()
+        running, waiting, usage, *pool = self.snapshot()
         return ReplicaStatus(self.replica_id, self.pid, self.node_ip, int(running), int(waiting),
                              float(usage), time.time(), _resident_bytes(), self.node_id,
-                             list(self.gpu_ids), self.device)
+                             list(self.gpu_ids), self.device, int(pool[0]) if pool else 0)
 
     def publish_once(self) -> None:
         try:

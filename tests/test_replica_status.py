@@ -24,14 +24,14 @@ def row(replica_id: str = "r1", updated_at: float = 1000.0, **kw) -> ReplicaStat
 
 def test_json_round_trip_keeps_every_field():
     r = row(kv_cache_usage=0.125, rss_bytes=512 * 1024**2, node_id="n1", gpu_ids=["0"],
-            device="cpu")
+            device="cpu", kv_pool_bytes=64 * 1024**2)
     data = r.to_json()
     assert isinstance(data, bytes)
     assert ReplicaStatus.from_json(data) == r
     assert ReplicaStatus.from_json(data.decode()) == r
     assert set(json.loads(data)) == {"replica_id", "pid", "node_ip", "running", "waiting",
                                      "kv_cache_usage", "updated_at", "rss_bytes", "node_id",
-                                     "gpu_ids", "device"}
+                                     "gpu_ids", "device", "kv_pool_bytes"}
 
 
 def test_parse_rows_skips_missing_and_malformed_values():
@@ -71,6 +71,19 @@ def test_publisher_snapshot_becomes_a_row():
     assert first.pid > 0 and first.updated_at > 0
     state["running"] = 0
     assert pub.current().running == 0
+
+
+def test_publisher_carries_the_engines_kv_pool_bytes_apart_for_the_soak():
+    """An engine's `EngineLoad` carries the KV pool's pages in RAM; the row keeps them apart
+    from the RSS, and the soak's watch takes them out of it."""
+    from cluster.memory_watch import watched_bytes
+    from workers.engine import EngineLoad
+
+    pub = StatusPublisher(lambda: EngineLoad(1, 0, 0.5, 48 * 1024**2), replica_id="abc",
+                          node_ip="1.2.3.4")
+    current = pub.current()
+    assert current.kv_pool_bytes == 48 * 1024**2 and current.rss_bytes > 0
+    assert watched_bytes(current) == current.rss_bytes - 48 * 1024**2
 
 
 def test_publisher_survives_a_failing_store_warning_once_then_publishes_again(monkeypatch,

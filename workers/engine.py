@@ -101,6 +101,11 @@ class EngineLoad(NamedTuple):
     running: int
     waiting: int
     kv_cache_usage: float  # 0-1
+    # the KV pools' pages in this process's RAM: on CPU they are committed as blocks are first
+    # written, so the pool's share of a replica's RSS grows to its configured size, and a soak
+    # that watches RSS for leaks takes it out (cluster/memory_watch.py); 0 for a GPU pool (the
+    # pinned host tier of a GPU engine is committed whole at start)
+    kv_pool_ram_bytes: int = 0
 
 
 class Proposer(Protocol):
@@ -347,7 +352,14 @@ class LLMEngine:
     def load(self) -> EngineLoad:
         """Running and waiting requests and KV usage: what gauges and status show."""
         return EngineLoad(len(self.scheduler.running), len(self.scheduler.waiting),
-                          self.kv_cache_usage())
+                          self.kv_cache_usage(), self._kv_pool_ram_bytes())
+
+    def _kv_pool_ram_bytes(self) -> int:
+        if self.device.type != "cpu":
+            return 0
+        host = self.block_manager.host
+        touched = self.block_manager.num_touched + (host.num_touched if host else 0)
+        return touched * self.bytes_per_block
 
     def scheduler_stats(self) -> SchedulerStats:
         """The queues in detail, for admission control (see `SchedulerStats`)."""

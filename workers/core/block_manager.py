@@ -21,7 +21,7 @@ primitives under them (`allocate(block_table, n)`, `deallocate`, `match_prefix`,
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -64,7 +64,11 @@ class BlockManager:
         self.host = host
         self.events = events or KVEvents()
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_ids: deque[int] = deque(range(num_blocks))
+        # a stack, block 0 on top: the block freed last is taken first, so a run writes no
+        # more of the pool than its peak use (a CPU pool's pages cost memory only once
+        # written: kv_cache._zero_pages), and what it writes is the recently used, warm part
+        self.free_ids: list[int] = list(range(num_blocks - 1, -1, -1))
+        self.num_touched = 0  # blocks ever taken: with the stack, exactly ids 0..num_touched-1
         self.cached: OrderedDict[int, None] = OrderedDict()  # unreferenced, LRU first
         self.by_hash: dict[bytes, int] = {}
         self.plan = KVCopyPlan()
@@ -117,7 +121,9 @@ class BlockManager:
 
     def _take(self) -> int:
         if self.free_ids:
-            return self.free_ids.popleft()
+            block_id = self.free_ids.pop()
+            self.num_touched = max(self.num_touched, block_id + 1)
+            return block_id
         block_id, _ = self.cached.popitem(last=False)  # evict the least recently used
         self.num_evicted += 1
         self._demote(self.blocks[block_id])
@@ -297,7 +303,8 @@ class BlockManager:
             prefix_queried_tokens=self.prefix_queried_tokens,
             prefix_hit_tokens=self.prefix_hit_tokens, blocks_offloaded=self.num_offloaded,
             blocks_restored=self.num_restored, blocks_swapped_out=self.num_swapped_out,
-            blocks_swapped_in=self.num_swapped_in,
+            blocks_swapped_in=self.num_swapped_in, device_touched=self.num_touched,
+            host_touched=host.num_touched if host else 0,
         )
 
     def take_activity(self) -> dict[str, BlockActivity]:

@@ -9,7 +9,7 @@ block that is the source of a copy this step is pinned until the copy has run.
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Sequence
 
 from workers.core.kv_events import KVEvents
@@ -21,7 +21,9 @@ class HostBlockPool:
             raise ValueError("the host tier needs at least one block")
         self.num_blocks = num_blocks
         self.events = events
-        self.free_ids: deque[int] = deque(range(num_blocks))
+        self.free_ids: list[int] = list(range(num_blocks - 1, -1, -1))  # a stack, as the
+        # device pool's (BlockManager.free_ids): the host pool's pages, too, cost only once used
+        self.num_touched = 0  # blocks ever taken (ids 0..num_touched-1)
         self.cached: OrderedDict[bytes, int] = OrderedDict()  # hash -> host block, LRU first
         self.token_ids: dict[int, tuple[int, ...]] = {}  # cached host block -> its tokens
         self.pinned: set[int] = set()  # cached blocks a pending copy reads
@@ -43,7 +45,9 @@ class HostBlockPool:
     def take(self) -> int | None:
         """A block for new contents (evicting the least recently used cached one), or None."""
         if self.free_ids:
-            return self.free_ids.popleft()
+            block_id = self.free_ids.pop()
+            self.num_touched = max(self.num_touched, block_id + 1)
+            return block_id
         for block_hash, block_id in self.cached.items():
             if block_id not in self.pinned:
                 del self.cached[block_hash]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -34,11 +35,29 @@ def allocate_kv_cache(
     """Per layer (k, v), each [num_blocks, block_size, kv_heads, head_dim] (flash-attn's layout).
     `pin_memory` for a host tier that feeds a GPU (asynchronous copies need pinned pages)."""
     shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+    if device.type == "cpu" and not pin_memory and num_blocks > 0:
+        pool = _zero_pages(num_blocks * spec.bytes_per_block).view(spec.dtype)
+        tensors = pool.view(spec.num_layers, 2, *shape)  # [layers, k|v, blocks, ...]
+        return [(layer[0], layer[1]) for layer in tensors]
 
     def zeros() -> torch.Tensor:
         return torch.zeros(shape, dtype=spec.dtype, device=device, pin_memory=pin_memory)
 
     return [(zeros(), zeros()) for _ in range(spec.num_layers)]
+
+
+def _zero_pages(nbytes: int) -> torch.Tensor:
+    """`nbytes` of zeros in CPU memory, committed page by page as they are first written.
+
+    Why not torch.zeros: zeroing writes every page of the pool at start, and a first write costs
+    a page fault (on the 2-core CI VM ~2.5 s per GiB, 4-8 CPU-s for a 1 GiB pool, most of an
+    engine's start), for blocks a run may never use. The kernel gives an anonymous mapping's
+    pages zeroed when first touched, so the pool reads as zeros exactly as torch.zeros does, and
+    only the blocks used ever cost memory (vLLM's CPU backend leaves its pool to `torch.empty`,
+    which is lazy too but not zeroed). The block manager reuses the block freed last first
+    (`BlockManager.free_ids`), so a run touches little more of the pool than its peak use."""
+    buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(buffer, dtype=torch.uint8)  # keeps `buffer` alive, unmaps with it
 
 
 def copy_blocks(src: KVCache, src_ids: list[int], dst: KVCache, dst_ids: list[int]) -> None:
