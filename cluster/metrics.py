@@ -103,10 +103,10 @@ class ServiceMetrics:
             metric.set_default_tags({"model": model})
 
     def update_gauges(self, engine: LLMEngine) -> None:
-        running, waiting, kv_usage = engine.load()
-        self.running.set(running)
-        self.waiting.set(waiting)
-        self.kv_usage.set(kv_usage)
+        load = engine.load()
+        self.running.set(load.running)
+        self.waiting.set(load.waiting)
+        self.kv_usage.set(load.kv_cache_usage)
 
     def update_kv_cache(self, stats: KVCacheStats) -> None:
         """Counters grow by what the engine's counters grew since the last call."""
