@@ -8,9 +8,10 @@ start, for blocks most runs never use.
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import random
 
-import psutil
 import pytest
 import torch
 
@@ -27,32 +28,43 @@ SPEC = KVCacheSpec(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16,
                    dtype=torch.float32)
 
 
-def rss() -> int:
-    return psutil.Process().memory_info().rss
+def resident_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of `tensor`'s pages in RAM (mincore(2) on its own address range: unlike the
+    process's RSS, nothing else the process does moves it)."""
+    page = mmap.PAGESIZE
+    start = tensor.data_ptr() // page * page
+    end = -(-(tensor.data_ptr() + tensor.nbytes) // page) * page
+    vec = (ctypes.c_ubyte * ((end - start) // page))()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    assert libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(end - start), vec) == 0
+    return sum(b & 1 for b in vec) * page
+
+
+def pool_resident_bytes(cache) -> int:
+    return sum(resident_bytes(t) for kv in cache for t in kv)
 
 
 def test_a_cpu_pool_reads_as_zeros_and_commits_only_the_blocks_written():
     num_blocks = SPEC.num_blocks_for(256 * MiB)
-    before = rss()
     cache = allocate_kv_cache(SPEC, num_blocks, torch.device("cpu"))
-    assert rss() - before < 16 * MiB  # nothing committed yet
+    assert pool_resident_bytes(cache) == 0  # nothing committed yet
     assert all(k.shape == (num_blocks, 16, 3, 64) and k.is_contiguous() and v.is_contiguous()
                for k, v in cache)
     # every layer's K and V are separate memory (views of one mapping, never overlapping)
     starts = sorted(t.data_ptr() for kv in cache for t in kv)
     assert all(b - a >= cache[0][0].nbytes for a, b in zip(starts, starts[1:], strict=False))
     for k, v in cache:
-        assert not k[[0, num_blocks // 2, -1]].any() and not v[[0, -1]].any()  # zeros
-        k[:8].fill_(1.0)  # the first 8 blocks of each K written: ~30 x 8 x 12 KiB
+        k[:8].fill_(1.0)  # the first 8 blocks of every K and V written
         v[:8].fill_(2.0)
-    written = rss() - before
-    assert 4 * MiB < written < 32 * MiB, written / MiB
+    block = cache[0][0][0].nbytes  # 16 tokens x 3 heads x 64 x 4 B = 12 KiB, three pages
+    assert pool_resident_bytes(cache) == 2 * SPEC.num_layers * 8 * block
+    # the rest reads as zeros (an unwritten page reads the kernel's one zero page)
     assert float(cache[5][0][7].mean()) == 1.0 and not cache[5][0][8].any()
+    assert all(not k[[8, num_blocks // 2, -1]].any() and not v[[8, -1]].any() for k, v in cache)
     # the control: torch.zeros, as the pool was allocated before, commits all of it at once
-    before = rss()
     eager = torch.zeros(num_blocks * SPEC.bytes_per_block // 4)
-    assert rss() - before > 200 * MiB
-    del eager
+    assert resident_bytes(eager) > 0.99 * eager.nbytes
 
 
 def test_the_block_freed_last_is_taken_first_so_the_pool_touched_is_the_peak_use():
@@ -124,21 +136,19 @@ def test_the_real_engine_shares_its_plain_weights_with_the_checkpoint(real_engin
         assert ours.data_ptr() == real_checkpoint.tensors[name].data_ptr(), name
 
 
-def anonymous_rss() -> int:
-    """Resident memory of this process's own (not file-backed) pages: the checkpoint's pages
-    that packing reads are the page cache's, shared with every process that maps the file."""
-    with open("/proc/self/status") as status:
-        line = next(x for x in status if x.startswith("RssAnon:"))
-    return int(line.split()[1]) * 1024
-
-
-def test_an_engine_on_a_large_cpu_pool_starts_without_committing_it(real_checkpoint):
-    before = anonymous_rss()
+def test_an_engine_on_a_large_cpu_pool_commits_only_the_blocks_it_used(real_checkpoint):
+    """A 1 GiB pool, a few requests: the pool's pages in RAM are the touched blocks, which is
+    what the engine's load reports (and a soak takes out of the RSS it watches)."""
     engine = LLMEngine(EngineConfig(kv_cache_memory=1024**3, device="cpu"),
                        checkpoint=real_checkpoint)
-    grown = anonymous_rss() - before
-    pool = engine.kv_stats().device_blocks * engine.bytes_per_block
-    assert pool > 1000 * MiB
-    # its packed projections (~540 MB in fp32) and the warm-up's buffers (~625 MiB in all on
-    # 12-04); a pool zeroed at start would add all of its 1 GiB
-    assert grown < 0.7 * pool, grown / MiB
+    assert engine.kv_stats().device_blocks * engine.bytes_per_block > 1000 * MiB
+    engine.generate_all([{"prompt": f"Count to {n}.", "params": {"max_tokens": 4}}
+                         for n in range(3)])
+    touched = engine.kv_stats().device_touched
+    assert 0 < touched < 20
+    resident = pool_resident_bytes(engine.runner.kv_cache)
+    reported = engine.load().kv_pool_ram_bytes
+    assert reported == touched * engine.bytes_per_block
+    # the touched blocks' pages (a block taken for a slot never written holds none), nothing
+    # beyond them but a page at each of the 60 tensors' edges
+    assert reported // 2 < resident <= reported + 60 * mmap.PAGESIZE, (resident, reported)
