@@ -156,6 +156,8 @@ def _up_detach_status_generate_down(model_dir, tmp_path, monkeypatch, stack):
         assert replica["state"] == "RUNNING" and replica["pid"] > 0
         assert replica["running"] == 0 and replica["waiting"] == 0
         assert 0.0 <= replica["kv_cache_usage"] <= 1.0
+        # the CPU pool's pages the warm-up wrote, carried apart from the RSS they are part of
+        assert 0 < replica["kv_pool_mib"] < replica["rss_mib"], replica
 
         prompt = " ".join(["The quick brown fox jumps over the lazy dog."] * 8)
         for _ in range(2):  # the second run hits the first one's cached blocks

@@ -87,6 +87,8 @@ def collect_status(app_name: str = APP_NAME) -> dict[str, Any] | None:
                 "running": row.running if row else None, "waiting": row.waiting if row else None,
                 "kv_cache_usage": row.kv_cache_usage if row else None,
                 "rss_mib": round(row.rss_bytes / 1024**2) if row and row.rss_bytes else None,
+                # of which the KV pool's pages written so far (a CPU pool commits as used)
+                "kv_pool_mib": round(row.kv_pool_bytes / 1024**2, 1) if row else None,
                 "updated_at": row.updated_at if row else None,
                 **_cache_columns(cache.get(r.replica_id)),
             })
