@@ -121,7 +121,7 @@ class StatusPublisher:
     block pool's usage).
     """
 
-    def __init__(self, snapshot: Callable[[], tuple[int, int, float]],
+    def __init__(self, snapshot: Callable[[], tuple[int, int, float] | tuple[int, int, float, int]],
                  replica_id: str | None = None, node_ip: str | None = None,
                  interval: float = PUBLISH_INTERVAL_S, device: str = "") -> None:
         self.snapshot = snapshot

@@ -82,8 +82,8 @@ def test_the_block_freed_last_is_taken_first_so_the_pool_touched_is_the_peak_use
             bm.allocate(table, rng.randint(1, 40))
             tables.append(table)
         peak = max(peak, bm.num_blocks - bm.num_free)
-        assert all(b < bm.num_touched for t in tables for b in t)
-    assert peak < 100 and bm.num_touched == peak
+        assert all(b < bm.free_ids.num_touched for t in tables for b in t)
+    assert peak < 100 and bm.free_ids.num_touched == peak
     assert bm.stats().device_touched == peak
 
 

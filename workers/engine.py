@@ -357,9 +357,7 @@ class LLMEngine:
     def _kv_pool_ram_bytes(self) -> int:
         if self.device.type != "cpu":
             return 0
-        host = self.block_manager.host
-        touched = self.block_manager.num_touched + (host.num_touched if host else 0)
-        return touched * self.bytes_per_block
+        return self.block_manager.touched_blocks() * self.bytes_per_block
 
     def scheduler_stats(self) -> SchedulerStats:
         """The queues in detail, for admission control (see `SchedulerStats`)."""

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from workers.core.free_blocks import FreeBlocks
 from workers.core.host_block_pool import HostBlockPool
 from workers.core.kv_events import KVCopyPlan, KVEvents
 from workers.core.outputs import KVManagerStats
@@ -64,11 +65,7 @@ class BlockManager:
         self.host = host
         self.events = events or KVEvents()
         self.blocks = [Block(i) for i in range(num_blocks)]
-        # a stack, block 0 on top: the block freed last is taken first, so a run writes no
-        # more of the pool than its peak use (a CPU pool's pages cost memory only once
-        # written: kv_cache._zero_pages), and what it writes is the recently used, warm part
-        self.free_ids: list[int] = list(range(num_blocks - 1, -1, -1))
-        self.num_touched = 0  # blocks ever taken: with the stack, exactly ids 0..num_touched-1
+        self.free_ids = FreeBlocks(num_blocks)  # the block freed last is taken first
         self.cached: OrderedDict[int, None] = OrderedDict()  # unreferenced, LRU first
         self.by_hash: dict[bytes, int] = {}
         self.plan = KVCopyPlan()
@@ -121,9 +118,7 @@ class BlockManager:
 
     def _take(self) -> int:
         if self.free_ids:
-            block_id = self.free_ids.pop()
-            self.num_touched = max(self.num_touched, block_id + 1)
-            return block_id
+            return self.free_ids.take()
         block_id, _ = self.cached.popitem(last=False)  # evict the least recently used
         self.num_evicted += 1
         self._demote(self.blocks[block_id])
@@ -156,7 +151,7 @@ class BlockManager:
                 self.cached[block_id] = None  # the most recently used end
             else:
                 self._forget(block)
-                self.free_ids.append(block_id)
+                self.free_ids.put([block_id])
         block_table.clear()
 
     def cache_block(self, block_id: int, block_hash: bytes, token_ids: Sequence[int]) -> None:
@@ -294,6 +289,12 @@ class BlockManager:
         self.free_swapped(seq.host_table)
         seq.host_table = []
 
+    def touched_blocks(self) -> int:
+        """Blocks ever written, both tiers: a CPU pool's pages in RAM (`FreeBlocks`). Cheap:
+        the engine's load reads it on every streamed token."""
+        host = self.host.free_ids.num_touched if self.host else 0
+        return self.free_ids.num_touched + host
+
     def stats(self) -> KVManagerStats:
         host = self.host
         return KVManagerStats(
@@ -303,8 +304,8 @@ class BlockManager:
             prefix_queried_tokens=self.prefix_queried_tokens,
             prefix_hit_tokens=self.prefix_hit_tokens, blocks_offloaded=self.num_offloaded,
             blocks_restored=self.num_restored, blocks_swapped_out=self.num_swapped_out,
-            blocks_swapped_in=self.num_swapped_in, device_touched=self.num_touched,
-            host_touched=host.num_touched if host else 0,
+            blocks_swapped_in=self.num_swapped_in, device_touched=self.free_ids.num_touched,
+            host_touched=host.free_ids.num_touched if host else 0,
         )
 
     def take_activity(self) -> dict[str, BlockActivity]:

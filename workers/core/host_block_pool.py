@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from workers.core.free_blocks import FreeBlocks
 from workers.core.kv_events import KVEvents
 
 
@@ -21,9 +22,7 @@ class HostBlockPool:
             raise ValueError("the host tier needs at least one block")
         self.num_blocks = num_blocks
         self.events = events
-        self.free_ids: list[int] = list(range(num_blocks - 1, -1, -1))  # a stack, as the
-        # device pool's (BlockManager.free_ids): the host pool's pages, too, cost only once used
-        self.num_touched = 0  # blocks ever taken (ids 0..num_touched-1)
+        self.free_ids = FreeBlocks(num_blocks)  # the block freed last is taken first
         self.cached: OrderedDict[bytes, int] = OrderedDict()  # hash -> host block, LRU first
         self.token_ids: dict[int, tuple[int, ...]] = {}  # cached host block -> its tokens
         self.pinned: set[int] = set()  # cached blocks a pending copy reads
@@ -45,9 +44,7 @@ class HostBlockPool:
     def take(self) -> int | None:
         """A block for new contents (evicting the least recently used cached one), or None."""
         if self.free_ids:
-            block_id = self.free_ids.pop()
-            self.num_touched = max(self.num_touched, block_id + 1)
-            return block_id
+            return self.free_ids.take()
         for block_hash, block_id in self.cached.items():
             if block_id not in self.pinned:
                 del self.cached[block_hash]
@@ -80,7 +77,7 @@ class HostBlockPool:
 
     def release(self, block_ids: Sequence[int]) -> None:
         """Swapped blocks whose contents went back to the device: free again."""
-        self.free_ids.extend(block_ids)
+        self.free_ids.put(block_ids)
 
     def unpin_all(self) -> None:
         self.pinned.clear()

@@ -58,7 +58,8 @@ class KVManagerStats:
     blocks_swapped_out: int
     blocks_swapped_in: int
     # blocks ever written, in either tier: a CPU pool's memory is committed as its blocks are
-    # first used (kv_cache._zero_pages), so this, not the pool's size, is what it holds in RAM
+    # first used (kv_cache._zero_pages; free_blocks.FreeBlocks), so this, not the pool's
+    # size, is what it holds in RAM
     device_touched: int
     host_touched: int
 

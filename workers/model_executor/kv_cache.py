@@ -55,7 +55,7 @@ def _zero_pages(nbytes: int) -> torch.Tensor:
     pages zeroed when first touched, so the pool reads as zeros exactly as torch.zeros does, and
     only the blocks used ever cost memory (vLLM's CPU backend leaves its pool to `torch.empty`,
     which is lazy too but not zeroed). The block manager reuses the block freed last first
-    (`BlockManager.free_ids`), so a run touches little more of the pool than its peak use."""
+    (`workers.core.free_blocks`), so a run touches little more of the pool than its peak use."""
     buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     return torch.frombuffer(buffer, dtype=torch.uint8)  # keeps `buffer` alive, unmaps with it
 
