@@ -292,8 +292,7 @@ class BlockManager:
     def touched_blocks(self) -> int:
         """Blocks ever written, both tiers: a CPU pool's pages in RAM (`FreeBlocks`). Cheap:
         the engine's load reads it on every streamed token."""
-        host = self.host.free_ids.num_touched if self.host else 0
-        return self.free_ids.num_touched + host
+        return self.free_ids.num_touched + (self.host.num_touched if self.host else 0)
 
     def stats(self) -> KVManagerStats:
         host = self.host
@@ -305,7 +304,7 @@ class BlockManager:
             prefix_hit_tokens=self.prefix_hit_tokens, blocks_offloaded=self.num_offloaded,
             blocks_restored=self.num_restored, blocks_swapped_out=self.num_swapped_out,
             blocks_swapped_in=self.num_swapped_in, device_touched=self.free_ids.num_touched,
-            host_touched=host.free_ids.num_touched if host else 0,
+            host_touched=host.num_touched if host else 0,
         )
 
     def take_activity(self) -> dict[str, BlockActivity]:

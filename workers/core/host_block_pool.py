@@ -38,6 +38,11 @@ class HostBlockPool:
         """Blocks holding KV: cached and swapped ones."""
         return self.num_blocks - len(self.free_ids)
 
+    @property
+    def num_touched(self) -> int:
+        """Blocks ever taken (`FreeBlocks`): the host pool's pages in RAM on a CPU."""
+        return self.free_ids.num_touched
+
     def usage(self) -> float:
         return 1.0 - len(self.free_ids) / self.num_blocks
 

@@ -49,9 +49,10 @@ def allocate_kv_cache(
 def _zero_pages(nbytes: int) -> torch.Tensor:
     """`nbytes` of zeros in CPU memory, committed page by page as they are first written.
 
-    Why not torch.zeros: zeroing writes every page of the pool at start, and a first write costs
-    a page fault (on the 2-core CI VM ~2.5 s per GiB, 4-8 CPU-s for a 1 GiB pool, most of an
-    engine's start), for blocks a run may never use. The kernel gives an anonymous mapping's
+    Why not torch.zeros: zeroing writes every page of the pool at start, and the first write of
+    a page is what costs (on the 2-core CI VM ~2.4 s per GiB, huge pages or not: the host backs
+    each new page; 4-8 CPU-s for a 1 GiB pool, most of an engine's start), for blocks a run may
+    never use. The kernel gives an anonymous mapping's
     pages zeroed when first touched, so the pool reads as zeros exactly as torch.zeros does, and
     only the blocks used ever cost memory (vLLM's CPU backend leaves its pool to `torch.empty`,
     which is lazy too but not zeroed). The block manager reuses the block freed last first
