@@ -14,7 +14,7 @@ from kvserve.cli import main
 from tests.helpers import transformers_greedy_disagreements
 from tests.serving import APP, DEFAULT_APP, serve_locally
 
-USES_SHARED_RAY = "1"  # tests/serving.py: run with the modules of this group
+USES_SHARED_RAY = "0"  # tests/serving.py: run with the modules of this group
 
 # as the committed study runs (evals/reports/README.md): prefix caching on, so later samples
 # reuse the haystack KV of earlier ones, and a per-length sample count
@@ -108,13 +108,6 @@ def test_the_crosscheck_finds_the_engine_equal_to_transformers_and_a_changed_ans
     assert result["reference_top2_gap"] > 1e-4 and not result["near_tie"]
 
 
-def test_recall_over_grpc_answers_exactly_as_in_process(recall_run, tmp_path):
-    with serve_locally(DEFAULT_APP, reuse=True, name=APP) as served:
-        assert main([*RECALL_ARGS, "--out", str(tmp_path), "--target", served.target]) == 0
-    remote = {r["key"]: r["response_token_ids"] for r in records(tmp_path)}
-    assert remote == {r["key"]: r["response_token_ids"] for r in recall_run}
-
-
 def test_rope_overrides_with_target_are_refused_with_a_reason(tmp_path, capsys):
     with pytest.raises(ValueError, match="in-process"):
         main(["eval", "recall", "--rope", "yarn:2", "--target", "127.0.0.1:1",
@@ -156,3 +149,12 @@ def test_factuality_answers_equal_transformers_greedy(suite, samples, tmp_path, 
                                              )[0].startswith("step 5:")
     assert "without an EOS" in transformers_greedy_disagreements(
         hf_model, prompt_ids(r), answer[:3], MAX_TOKENS[suite])[0]
+
+
+# last: the module's only test on the shared cluster, which starts it (group "0" runs first,
+# so the in-process tests above run before any cluster exists rather than beside an idle one)
+def test_recall_over_grpc_answers_exactly_as_in_process(recall_run, tmp_path):
+    with serve_locally(DEFAULT_APP, reuse=True, name=APP) as served:
+        assert main([*RECALL_ARGS, "--out", str(tmp_path), "--target", served.target]) == 0
+    remote = {r["key"]: r["response_token_ids"] for r in records(tmp_path)}
+    assert remote == {r["key"]: r["response_token_ids"] for r in recall_run}

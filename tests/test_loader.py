@@ -25,3 +25,58 @@ def test_a_local_hf_directory_loads_as_is(model_dir):
     assert ckpt.config.tie_word_embeddings
     assert ckpt.tensors["model.embed_tokens.weight"].shape == (49152, 576)
     assert ckpt.tokenizer.eos_token == "<|im_end|>"
+
+
+def test_engines_built_from_one_checkpoint_share_its_model_and_only_theirs():
+    """Engines built from one LoadedCheckpoint in one process share one model (its fused and
+    packed weights made once); a checkpoint derived with other tensors (`dataclasses.replace`)
+    or another dtype gets a model of its own, and each engine's outputs stay its own."""
+    import dataclasses
+
+    import torch
+
+    from workers.config import EngineConfig
+    from workers.engine import LLMEngine
+    from workers.model_executor.tiny import synthetic_tokenizer, tiny_checkpoint, tiny_config
+
+    cfg = tiny_config("llama")
+    tok = synthetic_tokenizer(cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
+    ckpt = tiny_checkpoint("llama", seed=0, tokenizer=tok)
+    other = dataclasses.replace(ckpt, tensors=tiny_checkpoint("llama", seed=1,
+                                                              tokenizer=tok).tensors)
+
+    def engine(c, dtype="float32"):
+        return LLMEngine(EngineConfig(device="cpu", dtype=dtype, kv_cache_memory=4 * 1024**2),
+                         checkpoint=c)
+
+    def greedy(e):
+        outs = e.generate_all([{"prompt_token_ids": [1, 5, 9, 13], "request_id": "r",
+                                "params": {"temperature": 0, "max_tokens": 8,
+                                           "ignore_eos": True}}])
+        return [t for o in outs["r"] for t in o.token_ids]
+
+    a, b, c = engine(ckpt), engine(ckpt), engine(other)
+    assert a.model is b.model
+    assert c.model is not a.model
+    assert engine(ckpt, "float16").model is not a.model
+    assert greedy(a) == greedy(b)
+    assert greedy(c) != greedy(a)  # seed 1's weights, not seed 0's
+    assert a.model.embed_tokens.weight.dtype == torch.float32
+
+
+def test_building_an_engine_imports_no_model_code_of_transformers_nor_dynamo(model_dir):
+    """What an engine process's start leaves out (each ~0.4-0.65 CPU-s on a 2-core VM, in
+    every replica): transformers' Llama module (RoPE comes from `ROPE_INIT_FUNCTIONS`) and
+    torch._dynamo (which nn init on the meta device imported), in a fresh process."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from workers.config import EngineConfig; "
+            "from workers.engine import LLMEngine; "
+            "LLMEngine(EngineConfig(device='cpu', kv_cache_memory=16 * 1024**2)); "
+            "print(sorted(m for m in ('torch._dynamo', 'transformers.masking_utils', "
+            "'transformers.models.llama.modeling_llama') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]"

@@ -184,8 +184,8 @@ def test_three_local_nodes_one_logical_gpu_each_one_replica_per_node(sim: SimClu
     assert gen.returncode == 0, gen.stderr
     assert len(json.loads(gen.stdout)["token_ids"]) == 3
     # the cache manager sits on the head node, and its index matches replicas on all three
-    check = sim.kvserve("cache", "check")
-    assert check.returncode == 0 and "matches every replica" in check.stdout, check.stderr
+    # (through the open driver: the CLI's own multi-node check runs after the node kill below)
+    assert sim.cache_problems() == []
     head, manager_node = sim._ask("where")
     assert manager_node == head and head in nodes
 

@@ -764,6 +764,9 @@ def _cpu_kernels(device: torch.device, dtype: torch.dtype) -> CpuKernels | None:
 def _build_model(
     ckpt, device: torch.device, dtype: torch.dtype, cpu_kernels: CpuKernels | None
 ) -> CausalLM:
+    key = (device, dtype, cpu_kernels is not None)
+    if key in ckpt.models:  # another engine in this process built it from these tensors
+        return ckpt.models[key]
     with torch.device("meta"):
         model = CausalLM(ckpt.config)
     model = model.to_empty(device=device).to(dtype)
@@ -774,7 +777,8 @@ def _build_model(
         model.use_cpu_kernels(cpu_kernels)
     if device.type == "cpu" and onednn_available(dtype):
         model.use_onednn_matmuls()
-    return model.eval()
+    ckpt.models[key] = model = model.eval()
+    return model
 
 
 def _kv_spec(config, block_size: int, dtype: torch.dtype) -> KVCacheSpec:

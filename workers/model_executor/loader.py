@@ -14,7 +14,7 @@ import fcntl
 import importlib.util
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +34,13 @@ class LoadedCheckpoint:
     config: Any  # transformers PretrainedConfig
     tokenizer: Any  # transformers PreTrainedTokenizerBase
     tensors: dict[str, torch.Tensor]
+    # the models built from `tensors` in this process, by device, dtype and kernels: engines
+    # built from one checkpoint share one, as a draft model that is its target does (nothing
+    # writes weights), rather than each fusing and packing 0.5 GB of fresh memory again. Not
+    # an init field: a checkpoint made by `dataclasses.replace` (other tensors, another
+    # config) starts with none.
+    models: dict[tuple, Any] = field(default_factory=dict, init=False, repr=False,
+                                     compare=False)
 
 
 def resolve_model_dir(model: str | None) -> Path:

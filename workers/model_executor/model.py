@@ -24,7 +24,7 @@ from workers.model_executor.cpu_kernels import (
 )
 from workers.model_executor.rope import rotate
 
-if TYPE_CHECKING:  # (not imported to run: see rope._rotary_module)
+if TYPE_CHECKING:  # (transformers is imported to load a checkpoint, not with the model)
     from transformers import PretrainedConfig
 
 
@@ -74,6 +74,14 @@ class Linear(nn.Linear):
 
     use_onednn: bool = False
     kernel: Callable | None = None  # kernels.linear / linear_bf16, when the weight is packed for it
+
+    def reset_parameters(self) -> None:
+        """No random initialisation on the meta device: a model is built there and every
+        weight then comes from the checkpoint (`CausalLM.load_checkpoint` refuses a missing
+        one), and nn.Linear's kaiming init on meta still ran torch's Python decomposition,
+        0.17 CPU-s an engine."""
+        if not self.weight.is_meta:
+            super().reset_parameters()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:  # x: [rows, in_features]
@@ -210,7 +218,12 @@ class CausalLM(nn.Module):
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # an uninitialised weight (`_weight`): the checkpoint overwrites it, and initialising
+        # it on the meta device (`_build_model`) runs torch's Python `normal_`, whose first
+        # call imports torch._dynamo (0.65 CPU-s of every engine process's start)
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size, config.hidden_size,
+            _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)

@@ -1,9 +1,10 @@
 """Rotary position embeddings computed by transformers' own RoPE code.
 
-`LlamaRotaryEmbedding` reads `config.rope_parameters` and dispatches to transformers'
-`ROPE_INIT_FUNCTIONS` (linear, dynamic, yarn, llama3, longrope), so every RoPE variant here is
-exactly Hugging Face's math, attention scaling included (yarn multiplies cos and sin). The Qwen2 and
-Mistral rotary classes are copies of the Llama one.
+The inverse frequencies of every variant come from transformers' `ROPE_INIT_FUNCTIONS` (linear,
+dynamic, yarn, llama3, longrope) reading `config.rope_parameters`, and cos/sin are evaluated as
+`LlamaRotaryEmbedding.forward` does, so every RoPE variant here is exactly Hugging Face's math,
+attention scaling included (yarn multiplies cos and sin). The Qwen2 and Mistral rotary classes are
+copies of the Llama one.
 
 Static RoPE types are evaluated once for every position into a table. Two types depend on the
 sequence length: dynamic NTK (the base grows past the trained length) and longrope (short factors
@@ -34,14 +35,50 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 
-def _rotary_module(config: PretrainedConfig) -> torch.nn.Module:
-    """transformers' `LlamaRotaryEmbedding` for `config`. Imported here, when an engine is
-    built, not with this module: a Serve driver (`kvserve up`, `kvserve deploy`) imports the
-    engine's modules to bind the deployment and builds no engine, and transformers' model stack
-    was 2.7 s of its 5.2 s of imports on a 2-core machine."""
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+def _rotary_module(config: PretrainedConfig) -> _HFRotary:
+    """transformers' rotary embedding for `config`, without its model module: the inverse
+    frequencies from transformers' own `ROPE_INIT_FUNCTIONS` (or the default RoPE's formula,
+    which `LlamaRotaryEmbedding.compute_default_rope_parameters` holds), evaluated as its
+    `forward` does. Importing `transformers.models.llama.modeling_llama` cost every engine
+    process 0.56 CPU-s more (its masking utilities import torch._dynamo), and a Serve driver,
+    which builds no engine, none of this. `tests/test_rope.py` checks the tables against
+    `LlamaRotaryEmbedding` itself for every RoPE type."""
+    return _HFRotary(config)
 
-    return LlamaRotaryEmbedding(config)
+
+class _HFRotary:
+    """`LlamaRotaryEmbedding`'s state and forward (the Qwen2 and Mistral classes are copies)."""
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        self.original_max_seq_len = config.max_position_embeddings
+        rope_type = config.rope_parameters["rope_type"]
+        if rope_type == "default":
+            base = config.rope_parameters["rope_theta"]
+            dim = getattr(config, "head_dim", None) or (
+                config.hidden_size // config.num_attention_heads)
+            inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+            self.attention_scaling = 1.0
+        else:
+            inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config)
+        self.inv_freq = inv_freq  # [head_dim / 2]
+        self.original_inv_freq = inv_freq.clone()
+
+    def to(self, device: torch.device) -> _HFRotary:
+        self.inv_freq = self.inv_freq.to(device)
+        self.original_inv_freq = self.original_inv_freq.to(device)
+        return self
+
+    def __call__(self, x: torch.Tensor, position_ids: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """position_ids: [batch, positions] -> cos/sin [batch, positions, head_dim] in x's dtype."""
+        freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device,
+                                                                   dtype=torch.float)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = emb.cos() * self.attention_scaling
+        sin = emb.sin() * self.attention_scaling
+        return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
 
 
 @dataclass(frozen=True)
