@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import json
 
-from workers.model_executor.loader import DEFAULT_MODEL, load_checkpoint, resolve_model_dir
+from workers.model_executor.loader import (
+    DEFAULT_MODEL,
+    LoadedCheckpoint,
+    load_checkpoint,
+    resolve_model_dir,
+    with_rope_override,
+)
 
 
 def test_default_model_is_converted_once_and_cached(model_dir):
@@ -80,3 +86,51 @@ def test_building_an_engine_imports_no_model_code_of_transformers_nor_dynamo(mod
                          timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_the_config_and_tokenizer_read_without_auto_classes_equal_theirs(model_dir, tmp_path):
+    """`read_config` / `read_tokenizer` skip transformers' Auto classes for a Llama config that
+    writes out every field the engine reads (the default model's): the same values, the same
+    RoPE tables, the same tokens and chat template; a config missing a field, or another model
+    type, goes through AutoConfig."""
+    import shutil
+
+    import torch
+    from transformers import AutoConfig, AutoTokenizer
+
+    from workers.model_executor.loader import LLAMA_FIELDS, read_config, read_tokenizer
+    from workers.model_executor.rope import RotaryEmbedding
+
+    auto, light = AutoConfig.from_pretrained(model_dir), read_config(model_dir)
+    assert type(light) is not type(auto)  # the fast path was taken
+    for name in (*LLAMA_FIELDS, "model_type", "head_dim", "attention_bias", "mlp_bias",
+                 "hidden_act", "bos_token_id", "eos_token_id", "pad_token_id"):
+        assert getattr(light, name, None) == getattr(auto, name, None), name
+    for rope in (None, {"rope_type": "yarn", "factor": 4.0,
+                        "original_max_position_embeddings": 2048}):
+        tables = []
+        for config in (auto, light):
+            ckpt = with_rope_override(LoadedCheckpoint(model_dir, config, None, {}), rope)
+            tables.append(RotaryEmbedding(ckpt.config, 4096, torch.device("cpu")).cos)
+        assert torch.equal(*tables)
+
+    ours, theirs = read_tokenizer(model_dir), AutoTokenizer.from_pretrained(model_dir)
+    assert type(ours) is type(theirs)
+    for text in ("Hello, world!", "def f(x):\n    return x ** 2", "北京是中国的首都 🚀",
+                 "<|im_start|>user\nhi<|im_end|>"):
+        assert ours(text).input_ids == theirs(text).input_ids
+        assert ours.decode(ours(text).input_ids) == theirs.decode(theirs(text).input_ids)
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi?"}]
+    assert (ours.apply_chat_template(chat, add_generation_prompt=True)
+            == theirs.apply_chat_template(chat, add_generation_prompt=True))
+    assert (ours.all_special_ids, ours.eos_token_id, ours.pad_token_id) == (
+        theirs.all_special_ids, theirs.eos_token_id, theirs.pad_token_id)
+
+    # a config.json without one of the fields: the class's defaults decide, through AutoConfig
+    partial = tmp_path / "partial"
+    shutil.copytree(model_dir, partial, ignore=shutil.ignore_patterns("*.safetensors"))
+    data = json.loads((partial / "config.json").read_text())
+    del data["num_key_value_heads"]
+    (partial / "config.json").write_text(json.dumps(data))
+    assert type(read_config(partial)) is type(auto)
+    assert read_config(partial).num_key_value_heads == data["num_attention_heads"]

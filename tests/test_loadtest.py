@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import json
 import subprocess
+import time
 
 import pytest
 
@@ -34,12 +35,28 @@ def _tokens_since(served, before: dict[str, float]) -> float:
                for series, value in _service_tokens(served).items())
 
 
+def _settled_tokens(served) -> dict[str, float]:
+    """The counter once it stops moving. Tokens an earlier test streamed reach Prometheus up
+    to ~2 s after they were sent (the metrics agent reports every 1 s, tests/serving.py), and
+    counted after `before` they looked like this run's: a CI run counted 1,350 tokens against
+    Locust's 1,325 when this test ran right after `test_bench_serve.py`'s 3 x 8-token run."""
+    last = _service_tokens(served)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        time.sleep(2.0)
+        now = _service_tokens(served)
+        if now == last:
+            break
+        last = now
+    return last
+
+
 def _load_and_count(tmp_path, *flags: str) -> tuple[dict, float]:
     """`kvserve loadtest FLAGS --json` against the shared default app: its summary, and the
     output tokens the service's own metric counted meanwhile (it reaches Prometheus about once
     a second, so it is polled until it agrees or 30 s passed)."""
     with serve_locally(DEFAULT_APP, reuse=True, name=APP) as served:
-        before = _service_tokens(served)
+        before = _settled_tokens(served)
         target = served.http_url if "http" in flags else served.target
         done = subprocess.run([*KVSERVE, "loadtest", "--target", target, *flags, "--out",
                                str(tmp_path), "--json"],

