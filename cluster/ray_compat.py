@@ -134,8 +134,10 @@ def reload_auth_config() -> None:
 # declare more CPUs than the machine has: a dozen idle workers, each importing Ray, on 2 cores,
 # beside the replicas starting. Ray's system config, read from RAY_<name> at raylet start; no
 # public option. Actors (replicas, the cache manager) start their own workers regardless.
-NO_WORKER_PRESTART_ENV = {"RAY_prestart_worker_first_driver": "0",
-                          "RAY_enable_worker_prestart": "0"}
+NO_WORKER_PRESTART = {"prestart_worker_first_driver": False, "enable_worker_prestart": False}
+# the same, as the raylet reads it from its environment (`ray start`'s processes)
+NO_WORKER_PRESTART_ENV = {f"RAY_{name}": str(int(value))
+                          for name, value in NO_WORKER_PRESTART.items()}
 
 
 # -- the cluster `ray start` recorded, and Serve's details ------------------------------------

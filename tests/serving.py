@@ -32,6 +32,7 @@ from cluster.client import call_metadata
 from cluster.deployment import ADMIN_ENV
 from cluster.http_ingress import PROXY_CALLBACK, PROXY_CALLBACK_ENV
 from cluster.local_head import free_port
+from cluster.ray_compat import NO_WORKER_PRESTART
 from kvserve.v1 import generation_pb2 as pb
 from kvserve.v1 import generation_pb2_grpc as pb_grpc
 
@@ -129,7 +130,8 @@ def _start_cluster(env: dict[str, str]) -> _Cluster:
         include_dashboard=False,
         log_to_driver=False,
         _metrics_export_port=metrics_port,
-        _system_config={"metrics_report_interval_ms": 1000},
+        # no idle workers prestarted for the driver, as `kvserve up`'s heads (ray_compat)
+        _system_config={"metrics_report_interval_ms": 1000, **NO_WORKER_PRESTART},
         # workers inherit the driver's environment at start; pass the asked-for variables
         # explicitly too, so the cluster's environment is what `env` says
         runtime_env={"env_vars": env} if env else None,
