@@ -43,7 +43,16 @@ def manager_name(deployment: str) -> str:
     return f"kvserve-cache-manager:{deployment}"
 
 
-@ray.remote(num_cpus=0, max_restarts=-1)
+# Why two groups: a threaded actor runs one group's calls in order on its thread. Reports keep
+# that order (a replica's deltas apply in sequence); the routers' reads get a thread of their
+# own, so a `match` does not queue behind reports being written to Redis. On a loaded 2-core
+# host a match waiting behind them passed the router's 0.5 s deadline (CI run ci86), and the
+# proxy routed on load, away from the replica holding the prompt, for the next 5 s. The reads
+# only read Redis (redis-py's client is thread-safe) and one attribute.
+ROUTING_GROUP = "routing"
+
+
+@ray.remote(num_cpus=0, max_restarts=-1, concurrency_groups={ROUTING_GROUP: 1})
 class CacheManagerActor:
     def __init__(self, deployment: str, redis_url: str | None, lease_ttl_s: float) -> None:
         self.deployment = deployment
@@ -55,9 +64,11 @@ class CacheManagerActor:
     def report(self, report: ReplicaReport) -> bool:
         return self.manager.report(report)
 
+    @ray.method(concurrency_group=ROUTING_GROUP)
     def match(self, block_hashes: list[str]) -> dict[str, int]:
         return self.manager.match(block_hashes)
 
+    @ray.method(concurrency_group=ROUTING_GROUP)
     def block_size(self) -> int | None:
         return self.manager.block_size
 

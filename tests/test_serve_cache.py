@@ -282,3 +282,29 @@ def _wait_for_running_replicas(served: Served, count: int, timeout: float = 120)
     states = poll(lambda: _replica_states(served.app), lambda s: s == {"RUNNING": count},
                   timeout, 1.0)
     assert states == {"RUNNING": count}, states
+
+
+def test_the_cache_manager_answers_a_router_while_it_writes_a_big_report():
+    """A router's `match` runs on the manager's own routing thread, not after the reports
+    queued before it: while a report of 200k block hashes is written to Redis (hundreds of ms
+    here), a match sent after it comes back first. Negative control: with one thread for
+    every call (no concurrency groups, as before ci86's failure) the report finishes first."""
+    from cache_manager.index import ReplicaReport, ReplicaUsage
+
+    with serve_locally(TWO_REPLICAS, reuse=True):  # on the shared cluster; its app is not used
+        name = f"routing-thread-{os.getpid()}-{time.monotonic_ns()}"
+        manager = cache_manager.get_or_start(name)
+        try:
+            assert ray.get(manager.block_size.remote(), timeout=60) is None  # started
+            hashes = [f"{i:064x}" for i in range(200_000)]
+            big = ReplicaReport("replica-a", ReplicaUsage(len(hashes), 0, len(hashes),
+                                                          block_size=16),
+                                stored={"device": hashes}, full=True)
+            report = manager.report.remote(big)
+            match = manager.match.remote(hashes[:4])
+            ready, _ = ray.wait([report, match], num_returns=1, timeout=120)
+            assert ready == [match], "the match waited for the report"
+            assert ray.get(report, timeout=120) is False  # a full report: no full one asked
+            assert ray.get(manager.match.remote(hashes[:4]), timeout=60) == {"replica-a": 4}
+        finally:
+            cache_manager.shutdown(name)
