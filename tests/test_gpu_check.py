@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvserve.bench import gpu_check
 from kvserve.bench.gpu_check import SECTIONS, Context, Report, Skip
@@ -150,3 +151,46 @@ def test_capped_throughput_stops_at_the_cap_and_aborts_the_rest():
     assert result["tokens"] == 2 * result["steps"] and result["expected_tokens"] == 16
     assert 0.05 < result["seconds"] < 5 and result["tok_s"] == result["tokens"] / result["seconds"]
     assert engine.params == [{"temperature": 0.0, "max_tokens": 8, "ignore_eos": True}] * 2
+
+
+@pytest.mark.parametrize("make_plan", [gpu_check.gpu_plan, gpu_check.dry_run_plan],
+                         ids=["gpu", "dry_run"])
+def test_every_exactness_prompt_fits_each_models_context(make_plan):
+    """The first H200 run (2026-12-04) lost the tiny Llama's exactness to its own plan: a
+    511-token prompt + 32 new tokens past the tiny config's 512 positions, which the engine
+    refuses (and transformers only warns about). Checked here, on the CPU, for both plans."""
+    from workers.model_executor.tiny import tiny_config
+
+    plan = make_plan()
+    longest = max(plan.exact_prompt_lens) + plan.exact_new_tokens
+    for name, overrides in plan.exact_models.items():
+        context = tiny_config("llama", **overrides).max_position_embeddings
+        assert longest <= context, (name, longest, context)
+
+
+def test_the_generate_batch_config_takes_the_installed_transformers_names(monkeypatch):
+    """transformers 5.17 (the H200 machine's, 2026-12-04) names the page `block_size` and has
+    no `auto_switch_to_flash`; 5.25 (here) says `page_size`. `cb_config_for` passes each
+    version what its ContinuousBatchingConfig takes (the first H200 run lost its baseline to
+    `page_size`)."""
+    import types
+
+    import transformers
+
+    from kvserve.bench.baselines import CB_PAGE_SIZE, cb_config_for
+    from workers.model_executor.tiny import tiny_config
+
+    class Old:  # 5.17's parameters, those this code sets
+        def __init__(self, block_size=256, num_blocks=None, max_batch_tokens=None,
+                     max_requests_per_batch=None):
+            self.block_size, self.num_blocks = block_size, num_blocks
+
+    config = tiny_config("llama")
+    model = types.SimpleNamespace(config=types.SimpleNamespace(get_text_config=lambda: config),
+                                  dtype=torch.float32)
+    prompts = [[1] * 20, [2] * 30]
+    monkeypatch.setattr(transformers, "ContinuousBatchingConfig", Old)
+    old = cb_config_for(model, prompts, 8)
+    assert old.block_size == CB_PAGE_SIZE and old.num_blocks >= 2
+    monkeypatch.undo()
+    assert cb_config_for(model, prompts, 8).page_size == CB_PAGE_SIZE  # the installed one

@@ -12,6 +12,7 @@ decode step: `bandwidth / weight_bytes` steps per second.
 
 from __future__ import annotations
 
+import inspect
 import math
 import time
 from dataclasses import dataclass
@@ -130,13 +131,14 @@ def cb_config_for(model: PreTrainedModel, prompts: list[list[int]], output_len: 
         4 * max_batch_tokens * (cache_tokens + max_batch_tokens) > CB_MASK_BUDGET
     ):
         max_batch_tokens //= 2
-    return ContinuousBatchingConfig(
-        page_size=CB_PAGE_SIZE,
-        num_blocks=num_blocks,
-        max_batch_tokens=max_batch_tokens,
-        max_requests_per_batch=max(1, min(len(prompts), 1024)),
-        auto_switch_to_flash=False,
-    )
+    # transformers 5.17 (the H200 machine's) names the page `block_size` and has no
+    # `auto_switch_to_flash` (nor switches); 5.25 has both: pass what the installed class takes
+    accepted = inspect.signature(ContinuousBatchingConfig.__init__).parameters
+    page = "page_size" if "page_size" in accepted else "block_size"
+    options = {page: CB_PAGE_SIZE, "num_blocks": num_blocks, "max_batch_tokens": max_batch_tokens,
+               "max_requests_per_batch": max(1, min(len(prompts), 1024)),
+               "auto_switch_to_flash": False}
+    return ContinuousBatchingConfig(**{k: v for k, v in options.items() if k in accepted})
 
 
 @torch.inference_mode()

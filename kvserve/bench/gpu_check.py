@@ -101,7 +101,10 @@ class Plan:
 
 
 def gpu_plan() -> Plan:
-    models = {f"tiny_llama_init{TINY_INIT}": {"initializer_range": TINY_INIT}}
+    # the tiny config's 512 positions would refuse the 600-token prompt (seen on the first H200
+    # run, 2026-12-04): every exactness prompt plus its new tokens must fit each model
+    models = {f"tiny_llama_init{TINY_INIT}": {"initializer_range": TINY_INIT,
+                                               "max_position_embeddings": 1024}}
     models.update({f"smollm2_shape_init{r}": {**SMOLLM2_SHAPE, "initializer_range": r}
                    for r in SMOL_INITS})
     return Plan(
