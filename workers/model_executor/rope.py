@@ -35,50 +35,32 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 
-def _rotary_module(config: PretrainedConfig) -> _HFRotary:
-    """transformers' rotary embedding for `config`, without its model module: the inverse
-    frequencies from transformers' own `ROPE_INIT_FUNCTIONS` (or the default RoPE's formula,
-    which `LlamaRotaryEmbedding.compute_default_rope_parameters` holds), evaluated as its
-    `forward` does. Importing `transformers.models.llama.modeling_llama` cost every engine
-    process 0.56 CPU-s more (its masking utilities import torch._dynamo), and a Serve driver,
-    which builds no engine, none of this. `tests/test_rope.py` checks the tables against
-    `LlamaRotaryEmbedding` itself for every RoPE type."""
-    return _HFRotary(config)
+def _initial_inv_freq(config: PretrainedConfig) -> tuple[torch.Tensor, float]:
+    """What `LlamaRotaryEmbedding.__init__` computes: [head_dim / 2] fp32 inverse frequencies
+    from transformers' own `ROPE_INIT_FUNCTIONS` (the default RoPE's formula is the class's
+    `compute_default_rope_parameters`), and the attention scaling. Without importing
+    `transformers.models.llama.modeling_llama`, which cost every engine process 0.56 CPU-s (its
+    masking utilities import torch._dynamo). `tests/test_rope.py` checks the tables against
+    transformers' rotary classes themselves for every RoPE type (the Qwen2 and Mistral ones are
+    copies of the Llama one)."""
+    rope_type = config.rope_parameters["rope_type"]
+    if rope_type == "default":
+        base = config.rope_parameters["rope_theta"]
+        dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config)
+    return inv_freq, float(scaling)
 
 
-class _HFRotary:
-    """`LlamaRotaryEmbedding`'s state and forward (the Qwen2 and Mistral classes are copies)."""
-
-    def __init__(self, config: PretrainedConfig) -> None:
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-        self.original_max_seq_len = config.max_position_embeddings
-        rope_type = config.rope_parameters["rope_type"]
-        if rope_type == "default":
-            base = config.rope_parameters["rope_theta"]
-            dim = getattr(config, "head_dim", None) or (
-                config.hidden_size // config.num_attention_heads)
-            inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
-            self.attention_scaling = 1.0
-        else:
-            inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config)
-        self.inv_freq = inv_freq  # [head_dim / 2]
-        self.original_inv_freq = inv_freq.clone()
-
-    def to(self, device: torch.device) -> _HFRotary:
-        self.inv_freq = self.inv_freq.to(device)
-        self.original_inv_freq = self.original_inv_freq.to(device)
-        return self
-
-    def __call__(self, x: torch.Tensor, position_ids: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """position_ids: [batch, positions] -> cos/sin [batch, positions, head_dim] in x's dtype."""
-        freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device,
-                                                                   dtype=torch.float)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = emb.cos() * self.attention_scaling
-        sin = emb.sin() * self.attention_scaling
-        return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
+def _cos_sin(freqs: torch.Tensor, scaling: float | torch.Tensor, dtype: torch.dtype
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """freqs: [tokens, head_dim / 2] fp32 (positions times inverse frequencies) -> cos/sin
+    [tokens, head_dim] in `dtype`, as `LlamaRotaryEmbedding.forward`: evaluated in fp32, times
+    the attention scaling, then cast (as transformers does for q/k)."""
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
 
 
 @dataclass(frozen=True)
@@ -105,23 +87,18 @@ class RotaryEmbedding:
         self.dtype = dtype  # the activations': transformers casts cos/sin to it
         self.rope_type = config.rope_parameters.get("rope_type", "default")
         self.dynamic = "dynamic" in self.rope_type or self.rope_type == "longrope"
+        inv_freq, scaling = _initial_inv_freq(config)
+        inv_freq = inv_freq.to(device)  # [head_dim / 2]
         if not self.dynamic:
+            positions = torch.arange(max_positions, device=device)
             # cos/sin: [positions, head_dim]
-            self.cos, self.sin = self._evaluate(torch.arange(max_positions, device=device))
+            self.cos, self.sin = _cos_sin(positions[:, None].float() * inv_freq, scaling, dtype)
         else:
-            module = _rotary_module(config)
             self.original_len = (config.rope_parameters["original_max_position_embeddings"]
-                                 if self.rope_type == "longrope" else module.original_max_seq_len)
-            self.original_inv_freq = module.original_inv_freq.to(device)  # [head_dim / 2]
-            self.original_scaling = float(module.attention_scaling)
+                                 if self.rope_type == "longrope"
+                                 else config.max_position_embeddings)
+            self.original_inv_freq, self.original_scaling = inv_freq, scaling
             self._inv_freq: dict[int, tuple[torch.Tensor, float]] = {}
-
-    def _evaluate(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        module = _rotary_module(self.config).to(self.device)
-        # evaluated in fp32, returned in the probe's dtype (as transformers does for q/k)
-        probe = torch.empty(0, device=self.device, dtype=self.dtype)
-        cos, sin = module(probe, positions[None, :])
-        return cos[0], sin[0]
 
     def cache_key(self, prompt_len: int) -> str:
         """What a request's cached keys depend on besides its tokens: "" unless this RoPE is
@@ -160,14 +137,13 @@ class RotaryEmbedding:
         # inv_freq: [tokens, head_dim / 2], each run's row repeated over its tokens
         inv_freq = torch.cat([f.expand(n, -1) for (f, _), n in zip(per_run, sizes, strict=True)])
         freqs = positions[:, None].float() * inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)  # [tokens, head_dim]
         scaling = {s for _, s in per_run}
         if len(scaling) > 1:  # not so for dynamic NTK nor longrope, but kept general
             factor = torch.cat([torch.full((n, 1), s, device=self.device)
                                 for (_, s), n in zip(per_run, sizes, strict=True)])
-            return (emb.cos() * factor).to(self.dtype), (emb.sin() * factor).to(self.dtype)
+            return _cos_sin(freqs, factor, self.dtype)
         (factor,) = scaling
-        return (emb.cos() * factor).to(self.dtype), (emb.sin() * factor).to(self.dtype)
+        return _cos_sin(freqs, factor, self.dtype)
 
     def _inv_freq_for(self, length: int) -> tuple[torch.Tensor, float]:
         """([head_dim / 2] fp32 inverse frequencies, attention scaling) for a sequence of
@@ -182,7 +158,7 @@ class RotaryEmbedding:
                 self._inv_freq.clear()
             # as a tensor, as the module passes max(position_ids)+1: its arithmetic is then fp32
             seq_len = torch.tensor(length, device=self.device)
-            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # (_rotary_module)
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # (_initial_inv_freq)
 
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[self.rope_type](
                 self.config, self.device, seq_len=seq_len)
