@@ -115,7 +115,10 @@ def transformers_greedy_disagreements(hf_model: Any, prompt_ids: list[int], answ
         problems.append(f"went on past an EOS: {answer}")
     ids = torch.tensor([prompt_ids + answer[:-1]])
     with torch.inference_mode():
-        logits = hf_model(ids, attention_mask=torch.ones_like(ids)).logits[0, len(prompt_ids) - 1:]
+        # logits only where an answer token is predicted (`logits_to_keep`): the prompt's
+        # other rows would cost a vocab-wide projection each and are never read
+        logits = hf_model(ids, attention_mask=torch.ones_like(ids),
+                          logits_to_keep=len(answer)).logits[0]
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     best = logprobs.argmax(dim=-1).tolist()
     for step, (want, got) in enumerate(zip(best, answer, strict=True)):

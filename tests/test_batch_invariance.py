@@ -51,17 +51,19 @@ def test_seeded_request_is_identical_alone_and_in_a_batch_of_16(real_engine, pro
 
 
 @pytest.fixture(scope="module")
-def small_pool_engine() -> LLMEngine:
+def small_pool_engine(real_checkpoint) -> LLMEngine:
     """A pool of 24 blocks of 16 tokens (384 tokens): far too small for the batches below."""
-    return LLMEngine(EngineConfig(device="cpu", num_kv_blocks=24, max_num_batched_tokens=256))
+    return LLMEngine(EngineConfig(device="cpu", num_kv_blocks=24, max_num_batched_tokens=256),
+                     checkpoint=real_checkpoint)
 
 
 @pytest.fixture(scope="module")
-def small_pool_speculative_engine() -> LLMEngine:
+def small_pool_speculative_engine(real_checkpoint) -> LLMEngine:
     """The same small pool, with prompt-lookup speculation: rejected drafts write K/V into
     slots (and blocks) that are given back and reused by other requests."""
     return LLMEngine(EngineConfig(device="cpu", num_kv_blocks=24, max_num_batched_tokens=256,
-                                  speculative_method="ngram", prompt_lookup_min=1))
+                                  speculative_method="ngram", prompt_lookup_min=1),
+                     checkpoint=real_checkpoint)
 
 
 @pytest.mark.parametrize("engine_name", ["small_pool_engine", "small_pool_speculative_engine"])

@@ -31,8 +31,9 @@ NEW_TOKENS = 32
 
 
 @pytest.fixture(scope="module")
-def bf16_engine(model_dir) -> LLMEngine:
-    return LLMEngine(EngineConfig(dtype="bfloat16", device="cpu", kv_cache_memory=256 * 1024**2))
+def bf16_engine(real_checkpoint) -> LLMEngine:
+    return LLMEngine(EngineConfig(dtype="bfloat16", device="cpu", kv_cache_memory=256 * 1024**2),
+                     checkpoint=real_checkpoint)
 
 
 @pytest.fixture(scope="module")
