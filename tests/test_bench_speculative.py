@@ -11,7 +11,7 @@ from workers.config import EngineConfig
 
 def test_bench_speculative_reports_every_cell_with_identical_outputs(model_dir):
     requests = 2
-    report = run_speculative_bench(EngineConfig(device="cpu"), output_len=24, requests=requests,
+    report = run_speculative_bench(EngineConfig(device="cpu"), output_len=16, requests=requests,
                                    batch_sizes=(1, 2), progress=False)
     result = json.loads(json.dumps({k: v for k, v in report.items() if k != "summary"}))
     assert result["speculative_method"] == "ngram"  # the default when the flags name none
