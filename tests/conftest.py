@@ -114,13 +114,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=_run_order)  # stable: file order is kept within each group
 
 
-# --- two workers (pytest-xdist, `make test`) ----------------------------------------------
-# `make test` runs the suite on two pytest-xdist workers (`--dist loadgroup`): a Ray test
-# spends half its time waiting on processes that start, deploy and stream, and the other
-# worker uses that core. Each module is one unit of work, so a module's fixtures (an engine, a
-# cluster) are made once; the modules on the shared Ray cluster are one unit, so that cluster
-# starts once. The Ray units go first, the shared cluster's first of all, as the longest: the
-# other worker takes the short modules meanwhile.
+# --- xdist workers (pytest-xdist, `make test`) --------------------------------------------
+# `make test` runs the suite on three pytest-xdist workers on two cores (`--dist loadgroup`):
+# a Ray test spends half its time waiting on processes that start, deploy and stream, and the
+# other workers use that core. Each module is one unit of work, so a module's fixtures (an
+# engine, a cluster) are made once; the modules on the shared Ray cluster are one unit, so that
+# cluster starts once. The Ray units go first, the shared cluster's first of all, as the
+# longest: the other workers take the short modules meanwhile.
 SHARED_RAY_UNIT = "shared-ray-cluster"
 
 
@@ -143,7 +143,7 @@ def _run_order(item: pytest.Item) -> tuple[int, str]:
     return (1 if _uses_ray(item) else 2, "")
 
 
-# Two xdist workers on two cores: every process a worker starts computes on one thread. Set in
+# xdist workers on two cores: every process a worker starts computes on one thread. Set in
 # the environment before any test runs, so the `kvserve` subprocesses, the Ray heads and the
 # replicas a worker starts inherit it (Ray leaves a replica's OMP_NUM_THREADS alone when it is
 # set). With two OpenMP threads per process, each parallel region waits for its slower thread,

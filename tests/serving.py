@@ -32,7 +32,7 @@ from cluster.client import call_metadata
 from cluster.deployment import ADMIN_ENV
 from cluster.http_ingress import PROXY_CALLBACK, PROXY_CALLBACK_ENV
 from cluster.local_head import free_port
-from cluster.ray_compat import NO_WORKER_PRESTART
+from cluster.ray_compat import NO_WORKER_PRESTART, QUIET_SERVE_ENV
 from kvserve.v1 import generation_pb2 as pb
 from kvserve.v1 import generation_pb2_grpc as pb_grpc
 
@@ -125,6 +125,9 @@ def _start_cluster(env: dict[str, str]) -> _Cluster:
     # the HTTP proxy's key check (cluster/http_ingress.py), read by the proxy at its start:
     # Ray's processes inherit this driver's environment
     os.environ[PROXY_CALLBACK_ENV] = PROXY_CALLBACK
+    # Serve polling less while it idles between tests (ray_compat.QUIET_SERVE_ENV), also read
+    # by Ray's processes from the environment they inherit
+    os.environ.update(QUIET_SERVE_ENV)
     ray.init(
         num_cpus=CLUSTER_CPUS,
         include_dashboard=False,

@@ -34,6 +34,7 @@ import grpc
 import pytest
 
 from cluster import local_head
+from cluster.ray_compat import QUIET_SERVE_ENV
 from kvserve.v1 import generation_pb2 as pb
 from kvserve.v1 import generation_pb2_grpc as pb_grpc
 from tests.helpers import poll
@@ -136,7 +137,8 @@ class SimCluster:
 
 @pytest.fixture(scope="module")
 def sim(model_dir: Path, tmp_path_factory) -> Iterator[SimCluster]:
-    env = new_user_env(model_dir, tmp_path_factory.mktemp("multinode"))
+    # Serve on three nodes' worth of processes, polling less while idle (ray_compat)
+    env = new_user_env(model_dir, tmp_path_factory.mktemp("multinode")) | QUIET_SERVE_ENV
     port = free_port()
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("KVSERVE_CACHE_DIR", env["KVSERVE_CACHE_DIR"])  # read_state() below

@@ -15,6 +15,7 @@ import ast
 import asyncio
 import importlib
 import inspect
+import json
 import os
 import signal
 import subprocess
@@ -515,3 +516,22 @@ def test_the_worker_prestart_settings_are_ray_system_config():
         if b"\0" + config + b"\0" not in binary:
             pytest.fail(missing(f"the system config entry {config.decode()}"))
     assert b"\0no_such_config_entry\0" not in binary  # negative control
+
+
+def test_the_quiet_serve_settings_are_what_serve_reads():
+    """QUIET_SERVE_ENV's variables set Serve's constants of those names (read at import, in a
+    fresh process); a renamed variable would be ignored without a word."""
+    code = ("import json; from ray.serve._private import constants as c; "
+            f"print(json.dumps({{n: getattr(c, n, None) for n in "
+            f"{list(ray_compat.QUIET_SERVE_CONSTANTS.values())!r}}}))")
+    quiet = json.loads(subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True,
+        env={**os.environ, **ray_compat.QUIET_SERVE_ENV}).stdout)
+    default = json.loads(subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True,
+        env={k: v for k, v in os.environ.items() if k not in ray_compat.QUIET_SERVE_ENV}).stdout)
+    for variable, constant in ray_compat.QUIET_SERVE_CONSTANTS.items():
+        if quiet[constant] is None:
+            pytest.fail(missing(f"ray.serve._private.constants.{constant}"))
+        assert float(quiet[constant]) == float(ray_compat.QUIET_SERVE_ENV[variable]), constant
+        assert quiet[constant] != default[constant], constant  # control: the variable did it

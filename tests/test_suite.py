@@ -1,4 +1,4 @@
-"""How the suite runs on two xdist workers (tests/conftest.py): what a worker takes whole, the
+"""How the suite runs on xdist workers (tests/conftest.py): what a worker takes whole, the
 thread count of everything it starts, and the new-user environment's own temp dir."""
 
 from __future__ import annotations
