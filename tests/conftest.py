@@ -114,13 +114,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=_run_order)  # stable: file order is kept within each group
 
 
-# --- xdist workers (pytest-xdist, `make test`) --------------------------------------------
-# `make test` runs the suite on three pytest-xdist workers on two cores (`--dist loadgroup`):
-# a Ray test spends half its time waiting on processes that start, deploy and stream, and the
-# other workers use that core. Each module is one unit of work, so a module's fixtures (an
+# --- two workers (pytest-xdist, `make test`) ----------------------------------------------
+# `make test` runs the suite on two pytest-xdist workers (`--dist loadgroup`): a Ray test
+# spends half its time waiting on processes that start, deploy and stream, and the other
+# worker uses that core. Each module is one unit of work, so a module's fixtures (an
 # engine, a cluster) are made once; the modules on the shared Ray cluster are one unit, so that
 # cluster starts once. The Ray units go first, the shared cluster's first of all, as the
-# longest: the other workers take the short modules meanwhile.
+# longest: the other worker takes the short modules meanwhile.
 SHARED_RAY_UNIT = "shared-ray-cluster"
 
 

@@ -2,10 +2,10 @@
 same per-sample answers as in-process (tests/test_evals_e2e.py checks the in-process answers
 against transformers).
 
-Its own module, so that only this test runs on the shared cluster's worker: the eval module's
-in-process tests (a minute of CPU) run on another worker meanwhile, and the shared cluster's
-unit, the longest path of a `make test` run, is that much shorter. It pays for the in-process
-run it compares against (~11 CPU-s)."""
+Its own module, so that only this test runs in the shared cluster's unit (one worker takes it
+whole): the eval module's in-process tests (a minute of CPU) can run on another worker
+meanwhile, and that unit, the longest path of a three-worker run (README: ci92-ci95), is that
+much shorter. It pays for the in-process run it compares against (~11 CPU-s)."""
 
 from __future__ import annotations
 
