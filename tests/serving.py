@@ -182,6 +182,8 @@ def shutdown_cluster() -> None:
         cluster.channel.close()
         serve.shutdown()
         ray.shutdown()
+        for name in QUIET_SERVE_ENV:  # heads this worker starts later keep Serve's defaults
+            os.environ.pop(name, None)
 
 
 def cluster_running() -> bool:
