@@ -1,7 +1,6 @@
 """Issue #5 end to end on SmolLM2 on the CPU: the eval commands give the same per-sample greedy
-answers as transformers' `generate()` on the same prompts and write every output file. The
-recall run over gRPC is tests/test_evals_grpc.py: on the shared cluster, which runs its modules
-on one worker, and these in-process tests have no need to run there."""
+answers as transformers' `generate()` on the same prompts, write every output file, and the
+recall run over gRPC (a local deployment) answers exactly as in-process."""
 
 from __future__ import annotations
 
@@ -13,6 +12,9 @@ import pytest
 
 from kvserve.cli import main
 from tests.helpers import transformers_greedy_disagreements
+from tests.serving import APP, DEFAULT_APP, serve_locally
+
+USES_SHARED_RAY = "0"  # tests/serving.py: run with the modules of this group
 
 # as the committed study runs (evals/reports/README.md): prefix caching on, so later samples
 # reuse the haystack KV of earlier ones, and a per-length sample count; at short lengths (128
@@ -149,3 +151,11 @@ def test_factuality_answers_equal_transformers_greedy(suite, samples, tmp_path, 
     assert "without an EOS" in transformers_greedy_disagreements(
         hf_model, prompt_ids(r), answer[:3], MAX_TOKENS[suite])[0]
 
+
+# last: the module's only test on the shared cluster, which starts it (group "0" runs first,
+# so the in-process tests above run before any cluster exists rather than beside an idle one)
+def test_recall_over_grpc_answers_exactly_as_in_process(recall_run, tmp_path):
+    with serve_locally(DEFAULT_APP, reuse=True, name=APP) as served:
+        assert main([*RECALL_ARGS, "--out", str(tmp_path), "--target", served.target]) == 0
+    remote = {r["key"]: r["response_token_ids"] for r in records(tmp_path)}
+    assert remote == {r["key"]: r["response_token_ids"] for r in recall_run}
