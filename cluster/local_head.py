@@ -270,9 +270,12 @@ def start_worker_nodes(state: UpState, count: int, num_cpus: int, num_gpus: int 
         for i in range(count):
             # the temp dir and agent port name this node's process (no other node has both)
             marks = (f"--temp-dir={state.temp_dir}", f"--dashboard-agent-listen-port={free_port()}")
+            # no log monitor: the nodes share the head's session directory, whose log files
+            # the head's monitor already sends to drivers; one per node sent every line of
+            # every process once per node (Ray: one log monitor per physical host)
             cmd = [str(ray_bin), "start", f"--address={state.address}", "--block",
                    "--disable-usage-stats", f"--num-cpus={num_cpus}", f"--num-gpus={num_gpus}",
-                   *marks, f"--metrics-export-port={free_port()}"]
+                   *marks, f"--metrics-export-port={free_port()}", "--include-log-monitor=false"]
             log = Path(state.temp_dir) / f"ray-start-node-{i + 1}.log"
             starting = marks  # until Popen returns its pid
             with open(log, "w") as out:

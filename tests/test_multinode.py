@@ -192,6 +192,37 @@ def test_three_local_nodes_one_logical_gpu_each_one_replica_per_node(sim: SimClu
     assert manager_node == head and head in nodes
 
 
+# A driver that, unlike kvserve's own, asks for its workers' output (log_to_driver, Ray's
+# default) and prints each line as it came, undeduplicated: one task on every node prints a mark.
+PRINTING_DRIVER = """
+import sys
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy as On
+ray.init(address=sys.argv[1])
+@ray.remote(num_cpus=0)
+def mark(i):
+    print(f"mark-{i}-of-node", flush=True)
+nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+ray.get([mark.options(scheduling_strategy=On(n, soft=False)).remote(i)
+         for i, n in enumerate(nodes)])
+print("nodes:", len(nodes), flush=True)
+import time; time.sleep(3)  # the log monitor publishes what it reads every ~0.1 s
+"""
+
+
+def test_a_driver_gets_each_line_its_workers_print_once_from_every_node(sim: SimCluster):
+    """The nodes share the head's session directory on this machine, so only the head runs a
+    log monitor (cluster/local_head.start_worker_nodes). Negative control, measured by hand
+    (2026-12-04): with a monitor on every node, each line reached the driver three times."""
+    out = subprocess.run([sys.executable, "-c", PRINTING_DRIVER, sim.state.address],
+                         capture_output=True, text=True, timeout=120,
+                         env=sim.env | (sim.state.env or {}) | {"RAY_DEDUP_LOGS": "0"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    said = out.stdout + out.stderr  # Ray prints workers' lines to the driver's stderr
+    assert f"nodes: {NODES}" in said, said[-3000:]
+    assert [said.count(f"mark-{i}-of-node") for i in range(NODES)] == [1] * NODES, said[-3000:]
+
+
 def test_multi_turn_chats_stay_on_their_historys_replica_across_nodes(sim: SimCluster):
     """The single-node routing test's bar (tests/test_serve_cache.py), with the replicas on
     three nodes and the router in the head's proxy reaching the manager across raylets: every
