@@ -27,7 +27,9 @@ def model_dir() -> Path:
 def real_checkpoint(model_dir: Path) -> LoadedCheckpoint:
     """The default model's weights, config and tokenizer, read once: engines with other
     settings pass it as `checkpoint=` rather than reading and parsing the files again.
-    (Engines copy the weights into their own model; nothing writes to these tensors.)"""
+    (Engines take these tensors as their own parameters where dtype and shape match, and fuse
+    copies of the rest (workers/model_executor/model.py `load_checkpoint`); nothing writes to
+    them.)"""
     return load_checkpoint(None)
 
 
