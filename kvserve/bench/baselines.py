@@ -1,8 +1,10 @@
 """Hugging Face peer baselines for the throughput benchmark, plus a roofline helper.
 
-Two baselines run the same greedy workload (every request emits exactly `output_len` new tokens):
+Three baselines run the same greedy workload (every request emits exactly `output_len` new
+tokens) and return each request's tokens, so tests can check they compute the same thing:
 
 - `hf_generate_sequential`: `model.generate` one request at a time (no batching at all).
+- `hf_generate_padded`: `model.generate` on static batches, prompts padded on the left.
 - `hf_generate_batch`: transformers' own continuous batching (`model.generate_batch`, a paged KV
   cache and a scheduler running in a background thread).
 
@@ -15,7 +17,7 @@ from __future__ import annotations
 import inspect
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,11 +36,13 @@ CB_PAGE_SIZE = 256  # transformers' own default
 
 @dataclass
 class ThroughputResult:
-    """Output tokens produced by a baseline and the wall time it took."""
+    """Output tokens produced by a baseline and the wall time it took; `tokens`: each request's
+    new tokens, in the order of the prompts."""
 
     name: str
     output_tokens: int
     seconds: float
+    tokens: list[list[int]] = field(default_factory=list, repr=False)
 
     @property
     def tok_s(self) -> float:
@@ -90,7 +94,7 @@ def hf_generate_sequential(
             do_sample=False,
             pad_token_id=pad,
         )
-    total = 0
+    tokens: list[list[int]] = []
     start = time.perf_counter()
     for prompt in prompts:
         input_ids = torch.tensor([prompt], dtype=torch.long)
@@ -99,9 +103,41 @@ def hf_generate_sequential(
             attention_mask=torch.ones_like(input_ids),
             generation_config=config,
         )
-        total += out.shape[1] - input_ids.shape[1]
+        tokens.append(out[0, input_ids.shape[1]:].tolist())
     seconds = time.perf_counter() - start
-    return ThroughputResult("hf_generate_sequential", total, seconds)
+    return ThroughputResult("hf_generate_sequential", sum(map(len, tokens)), seconds, tokens)
+
+
+@torch.inference_mode()
+def hf_generate_padded(
+    model: PreTrainedModel, prompts: list[list[int]], output_len: int, batch_size: int = 8
+) -> ThroughputResult:
+    """`model.generate` on static batches of `batch_size` prompts, greedy, `output_len` each.
+
+    The static batching a user gets from plain `generate()`: each batch is padded on the left
+    (the new tokens of every row then sit at the same positions) with an attention mask that
+    hides the padding, and runs until its last request is done. Same-length prompts (as
+    `make_prompts` makes) need no padding. Warm-up and token counting as `hf_generate_sequential`.
+    """
+    pad = model.config.pad_token_id
+    pad = pad if pad is not None else 0
+    config = _greedy_config(output_len, min_new_tokens=output_len, pad_token_id=pad)
+    if prompts:
+        warm = torch.tensor([prompts[0]], dtype=torch.long)
+        model.generate(input_ids=warm, attention_mask=torch.ones_like(warm), max_new_tokens=1,
+                       do_sample=False, pad_token_id=pad)
+    tokens: list[list[int]] = []
+    start = time.perf_counter()
+    for first in range(0, len(prompts), max(1, batch_size)):
+        batch = prompts[first:first + max(1, batch_size)]
+        width = max(map(len, batch))
+        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch], dtype=torch.long)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch],
+                            dtype=torch.long)
+        out = model.generate(input_ids=input_ids, attention_mask=mask, generation_config=config)
+        tokens.extend(row.tolist() for row in out[:, width:])
+    seconds = time.perf_counter() - start
+    return ThroughputResult("hf_generate_padded", sum(map(len, tokens)), seconds, tokens)
 
 
 def _kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
@@ -141,7 +177,7 @@ def cb_config_for(model: PreTrainedModel, prompts: list[list[int]], output_len: 
     return ContinuousBatchingConfig(**{k: v for k, v in options.items() if k in accepted})
 
 
-@torch.inference_mode()
+@torch.no_grad()
 def hf_generate_batch(
     model: PreTrainedModel, prompts: list[list[int]], output_len: int
 ) -> ThroughputResult:
@@ -153,6 +189,17 @@ def hf_generate_batch(
     by an untimed call on a short dummy prompt and kept alive (`persistent_manager=True`); the
     timed call reuses it, so only the generation is timed. The dummy prompt fills no whole page,
     so the timed requests cannot hit the prefix cache with it.
+
+    Runs under `no_grad` (as `generate_batch` itself does), never in inference mode, even inside
+    a caller's: `warmup` allocates the batch's static tensors in this thread, and the generation
+    loop resets them in place in a background thread. Inference mode is thread-local and 5.17's
+    loop (the H200 machine's) runs without it, so tensors made in inference mode could not be
+    updated there: every request failed with "Inplace update to inference tensor outside
+    InferenceMode is not allowed". From 5.24 on the thread takes the
+    caller's mode; no inference mode at all works the same in every version.
+
+    Raises, with each failed request's error, if the dummy or the timed call loses a request,
+    fails one, or returns other than `output_len` tokens for one.
     """
     if not prompts:
         return ThroughputResult("hf_generate_batch", 0, 0.0)
@@ -162,20 +209,38 @@ def hf_generate_batch(
     cb_config = cb_config_for(model, prompts, output_len)
     kwargs = {"generation_config": gen_config, "continuous_batching_config": cb_config}
     model.destroy_cached_continuous_batching_manager()  # never reuse one sized for another load
-    try:
-        dummy = [[1, 2, 3, 4]]
-        model.generate_batch(dummy, max_new_tokens=2, persistent_manager=True, **kwargs)
-        start = time.perf_counter()
-        outputs = model.generate_batch(prompts, persistent_manager=True, **kwargs)
-        seconds = time.perf_counter() - start
-    finally:
-        model.destroy_cached_continuous_batching_manager()
-    failed = [key for key, out in outputs.items() if out.error is not None]
-    if len(outputs) != len(prompts) or failed:
-        got = f"{len(outputs)}/{len(prompts)}"
-        raise RuntimeError(f"generate_batch returned {got} results, failed: {failed}")
-    total = sum(len(out.generated_tokens) for out in outputs.values())
-    return ThroughputResult("hf_generate_batch", total, seconds)
+    with torch.inference_mode(False):
+        try:
+            dummy = [[1, 2, 3, 4]]
+            warm = model.generate_batch(dummy, max_new_tokens=2, persistent_manager=True,
+                                        **kwargs)
+            _check_batch_outputs(warm, dummy, 2, "the untimed warm-up call")
+            start = time.perf_counter()
+            outputs = model.generate_batch(prompts, persistent_manager=True, **kwargs)
+            seconds = time.perf_counter() - start
+        finally:
+            model.destroy_cached_continuous_batching_manager()
+    tokens = _check_batch_outputs(outputs, prompts, output_len, "the timed call")
+    return ThroughputResult("hf_generate_batch", sum(map(len, tokens)), seconds, tokens)
+
+
+def _check_batch_outputs(
+    outputs: dict[str, Any], prompts: list[list[int]], output_len: int, call: str
+) -> list[list[int]]:
+    """Each prompt's generated tokens from `generate_batch`'s outputs (5.17 and 5.25 return
+    them in the order of the inputs, checked here by prompt), or a RuntimeError naming each
+    failed, short or misplaced request and its error text."""
+    problems = [f"{key}: {out.error}" for key, out in outputs.items() if out.error is not None]
+    problems += [f"{key}: {len(out.generated_tokens)} tokens, not {output_len}"
+                 for key, out in outputs.items()
+                 if out.error is None and len(out.generated_tokens) != output_len]
+    problems += [f"{key}: prompt is not request {i}'s" for i, (key, out)
+                 in enumerate(outputs.items()) if out.error is None and i < len(prompts)
+                 and list(out.prompt_ids) != list(prompts[i])]
+    if len(outputs) != len(prompts) or problems:
+        raise RuntimeError(f"generate_batch ({call}) returned {len(outputs)}/{len(prompts)} "
+                           f"results, failed: {'; '.join(problems)[:2000]}")
+    return [list(out.generated_tokens) for out in outputs.values()]
 
 
 def measure_memory_bandwidth(num_bytes: int = 512 * 2**20, repeats: int = 5) -> float:
