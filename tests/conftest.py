@@ -10,11 +10,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from workers.config import EngineConfig
-from workers.engine import LLMEngine
-from workers.model_executor.cpu_kernels import load_cpu_kernels
-from workers.model_executor.loader import LoadedCheckpoint, load_checkpoint, resolve_model_dir
-from workers.model_executor.tiny import tiny_checkpoint
+# Without a GPU, Triton's kernels (the triton attention backend, workers/model_executor/
+# triton_ops.py) run under Triton's interpreter on CPU tensors. Triton reads this when a kernel
+# module is imported, so it is set here, before any test imports one.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from workers.config import EngineConfig  # noqa: E402
+from workers.engine import LLMEngine  # noqa: E402
+from workers.model_executor.cpu_kernels import load_cpu_kernels  # noqa: E402
+from workers.model_executor.loader import LoadedCheckpoint, load_checkpoint, resolve_model_dir  # noqa: E402
+from workers.model_executor.tiny import tiny_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -235,16 +235,16 @@ def test_engine_uses_the_kernels_for_fp32_and_bf16_on_cpu(make_tiny_engine, cpu_
     """fp32 and bf16 (AVX-512 builds) take the elementwise kernels and the `cpu` attention
     backend; fp16 takes none of the kernels."""
     fp32 = make_tiny_engine()
-    assert fp32.model.layers[0].mlp.kernels is not None
+    assert fp32.model.layers[0].mlp.silu_and_mul is not None
     assert fp32.model.norm.kernels is not None
     bf16 = make_tiny_engine(dtype="bfloat16")
     assert bf16.info.attention_backend == "cpu"
     if cpu_kernels.bf16_linear_available():
-        assert bf16.model.layers[0].mlp.kernels is cpu_kernels
+        assert bf16.model.layers[0].mlp.silu_and_mul == cpu_kernels.silu_and_mul
         assert bf16.model.norm.kernels is cpu_kernels
         assert bf16.model.layers[0].mlp.down_proj.kernel is cpu_kernels.linear_bf16
     fp16 = make_tiny_engine(dtype="float16")
-    assert fp16.model.layers[0].mlp.kernels is None
+    assert fp16.model.layers[0].mlp.silu_and_mul is None
     assert fp16.model.layers[0].mlp.down_proj.kernel is None
     assert fp16.info.attention_backend == "torch"
 

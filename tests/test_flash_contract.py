@@ -399,17 +399,37 @@ def test_without_a_provider_the_backend_names_what_is_missing():
     with pytest.raises(RuntimeError, match="flash-attn package or torch>=2.13's") as err:
         FlashAttention()
     assert torch.__version__ in str(err.value)
-    assert resolve_backend_name("auto", torch.device("cuda")) == "torch"
 
 
-def test_auto_picks_flash_attn_on_cuda_when_a_provider_is_there(monkeypatch):
+def test_auto_on_cuda_prefers_flash_attn_then_triton_then_varlen_then_sdpa(monkeypatch):
+    """flash-attn's own package first; else kvserve's triton kernels (any block size, CUDA
+    graphs); else torch's varlen FlashAttention; SDPA (the torch backend) last."""
     import workers.model_executor.attention as attention
 
-    monkeypatch.setattr(attention, "default_provider_name", lambda: TORCH_VARLEN)
-    assert resolve_backend_name("auto", torch.device("cuda")) == "flash_attn"
+    cuda = torch.device("cuda")
+    installed = {FLASH_ATTN: True, "triton": True, TORCH_VARLEN: True}
+    monkeypatch.setattr(attention, "provider_missing",
+                        lambda name: None if installed[name] else "absent")
+    monkeypatch.setattr(attention, "triton_missing",
+                        lambda device: None if installed["triton"] else "absent")
+    monkeypatch.setattr(attention, "default_provider_name",
+                        lambda: next((p for p in PROVIDERS if installed[p]), None))
+    expected = ["flash_attn", "triton", "flash_attn", "torch"]
+    for name, wanted in zip([None, FLASH_ATTN, "triton", TORCH_VARLEN], expected, strict=True):
+        if name:
+            installed[name] = False
+        assert resolve_backend_name("auto", cuda) == wanted, name
     assert resolve_backend_name("auto", torch.device("cpu")) == "cpu"
     with pytest.raises(ValueError, match="CUDA"):
         resolve_backend_name("flash_attn", torch.device("cpu"))
+
+
+def test_the_triton_backend_on_a_cpu_needs_the_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="attention_backend triton: .*TRITON_INTERPRET=1"):
+        resolve_backend_name("triton", torch.device("cpu"))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert resolve_backend_name("triton", torch.device("cpu")) == "triton"
 
 
 def test_kernel_dtypes_are_enforced_with_a_clear_error():

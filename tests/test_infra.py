@@ -121,14 +121,16 @@ def test_gpu_serve_config_uses_a_host_tier_and_the_nodes_redis_url():
     assert config.redis_url is None  # REDIS_URL of the nodes (a Secret on k8s)
 
 
-def test_gpu_serve_config_serves_bf16_with_flash_attention_on_the_gpu():
+def test_gpu_serve_config_serves_bf16_on_the_gpu_with_flash_attention_kernels_and_graphs():
+    """auto: flash-attn's kernels where the package is installed, else kvserve's triton
+    FlashAttention-2 kernels, whose decode steps replay CUDA graphs (enforce_eager false)."""
     from cluster.app import AppConfig
     from workers.config import EngineConfig
 
     args = yaml.safe_load((INFRA / "serve" / "gpu.yaml").read_text())["applications"][0]["args"]
     engine = EngineConfig(**AppConfig.model_validate(args).engine_config())
-    assert (engine.dtype, engine.device, engine.attention_backend) == (
-        "bfloat16", "cuda", "flash_attn")
+    assert (engine.dtype, engine.device, engine.attention_backend, engine.enforce_eager) == (
+        "bfloat16", "cuda", "auto", False)
     assert engine.kv_cache_memory is None and 0 < engine.gpu_memory_utilization <= 1
 
 

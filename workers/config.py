@@ -21,9 +21,10 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: float32 on CPU, bfloat16 on CUDA
-# auto: flash_attn on CUDA when a kernel provider is there, cpu (kvserve's kernels) on a CPU,
-# else torch. The attention package checks names against this tuple.
-ATTENTION_BACKENDS = ("auto", "torch", "cpu", "flash_attn")
+# auto: on CUDA flash_attn with the flash-attn package, else triton (kvserve's own kernels),
+# else flash_attn with torch's varlen kernels, else torch; cpu (kvserve's kernels) on a CPU.
+# The attention package checks names against this tuple.
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "flash_attn", "triton")
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 GiB = 1024**3
 
@@ -79,8 +80,9 @@ class EngineConfig:
                                  "bfloat16 on CUDA", choices=DTYPES)
     device: str = setting("auto", "cpu | cuda | cuda:N; auto: cuda when available")
     attention_backend: str = setting(
-        "auto", "auto: flash_attn on CUDA when a kernel provider is there, cpu (kvserve's CPU "
-                "kernels) on a CPU, else torch", choices=ATTENTION_BACKENDS)
+        "auto", "auto: on CUDA flash_attn with the flash-attn package installed, else triton "
+                "(kvserve's FlashAttention-2 kernels in Triton, any block size, CUDA graphs), "
+                "else torch; on a CPU cpu (kvserve's C++ kernels)", choices=ATTENTION_BACKENDS)
     block_size: int | None = setting(
         None, "tokens per KV block; None: 16, or 256 with flash_attn (which needs a multiple "
               "of 256)", gt=0)
@@ -95,6 +97,11 @@ class EngineConfig:
     num_kv_blocks: int | None = setting(
         None, "exact KV pool size in blocks, overriding the memory budget", gt=0)
     max_num_seqs: int = setting(64, "sequences per step", gt=0)
+    enforce_eager: bool = setting(
+        False, "CUDA with the triton backend: run every step eagerly. Otherwise pure-decode "
+               "steps replay CUDA graphs captured at start for padded batch sizes 1, 2, 4, 8, "
+               "... up to max_num_seqs (their memory comes out of the KV budget); prefill and "
+               "mixed steps always run eagerly")
     max_num_batched_tokens: int = setting(
         512, "token budget per step; longer prompts are prefilled in chunks", gt=0)
     max_waiting_requests: int | None = setting(

@@ -64,6 +64,7 @@ from workers.core.timeline import (
 from workers.errors import InvalidRequestError
 from workers.model_executor.attention import PagedAttention, make_backend, resolve_backend_name
 from workers.model_executor.cpu_kernels import CpuKernels, load_cpu_kernels
+from workers.model_executor.cuda_graphs import graph_batch_sizes, graph_memory_bytes
 from workers.model_executor.draft_proposer import DraftModelProposer
 from workers.model_executor.kv_cache import KVCacheSpec
 from workers.model_executor.loader import (
@@ -92,6 +93,7 @@ class ModelInfo:
     block_size: int
     num_blocks: int
     num_host_blocks: int
+    cuda_graph_sizes: tuple[int, ...] = ()  # decode batch sizes replayed from CUDA graphs
 
 
 class EngineLoad(NamedTuple):
@@ -154,15 +156,19 @@ class LLMEngine:
         self.hf_config, self.tokenizer, self.model_path = ckpt.config, ckpt.tokenizer, ckpt.path
         self.vocab_size = ckpt.config.vocab_size
         self.max_model_len = _max_model_len(config, ckpt.config)
-        self.model = _build_model(ckpt, self.device, self.dtype, cpu_kernels)
+        backend_name = resolve_backend_name(config.attention_backend, self.device)
+        self.model = _build_model(ckpt, self.device, self.dtype, cpu_kernels,
+                                  triton=backend_name == "triton")
         # the decode attention kernel runs fp32 and bf16: other dtypes take the torch backend
         attention_kernels = cpu_kernels if self.dtype in (torch.float32, torch.bfloat16) else None
-        backend = make_backend(resolve_backend_name(config.attention_backend, self.device),
-                               attention_kernels)
+        backend = make_backend(backend_name, attention_kernels)
         backend_name = backend.name
         block_size = _resolve_block_size(config.block_size, backend, self.dtype)
         spec = _kv_spec(ckpt.config, block_size, self.dtype)
-        num_blocks = config.num_kv_blocks or spec.num_blocks_for(_kv_budget(config, self.device))
+        graphs = _uses_graphs(config, self.device, backend)
+        graph_bytes = _graph_bytes(config, ckpt.config, spec, self.max_model_len) if graphs else 0
+        num_blocks = config.num_kv_blocks or spec.num_blocks_for(
+            _kv_budget(config, self.device, graph_bytes))
         if num_blocks < 1:
             raise ValueError("kv_cache_memory is smaller than one KV block")
         num_host_blocks = config.num_host_kv_blocks
@@ -171,6 +177,9 @@ class LLMEngine:
         rope = RotaryEmbedding(ckpt.config, self.max_model_len, self.device, self.dtype)
         self.runner = ModelRunner(self.model, spec, num_blocks, rope, backend, self.device,
                                   num_host_blocks)
+        if graphs:  # captured before any request: at a replica's start, before it is ready
+            self.runner.enable_decode_graphs(graph_batch_sizes(config.max_num_seqs),
+                                             self.max_model_len, capture=True)
         self.bytes_per_block = spec.bytes_per_block
         self.kv_events = KVEvents()  # the cluster turns it on to report to its cache manager
         host = HostBlockPool(num_host_blocks, self.kv_events) if num_host_blocks else None
@@ -201,6 +210,7 @@ class LLMEngine:
             block_size=block_size,
             num_blocks=num_blocks,
             num_host_blocks=num_host_blocks,
+            cuda_graph_sizes=tuple(self.runner.graphs.sizes) if self.runner.graphs else (),
         )
         self.requests: dict[str, _Request] = {}
         self.proposer = self._make_proposer(ckpt, draft_checkpoint, cpu_kernels, block_size,
@@ -762,9 +772,12 @@ def _cpu_kernels(device: torch.device, dtype: torch.dtype) -> CpuKernels | None:
 
 
 def _build_model(
-    ckpt, device: torch.device, dtype: torch.dtype, cpu_kernels: CpuKernels | None
+    ckpt, device: torch.device, dtype: torch.dtype, cpu_kernels: CpuKernels | None,
+    triton: bool = False,
 ) -> CausalLM:
-    key = (device, dtype, cpu_kernels is not None)
+    """The model in `dtype` on `device`; `triton`: with its Triton kernels (the triton
+    attention backend's model, `CausalLM.use_triton_kernels`)."""
+    key = (device, dtype, cpu_kernels is not None, triton)
     if key in ckpt.models:  # another engine in this process built it from these tensors
         return ckpt.models[key]
     with torch.device("meta"):
@@ -773,7 +786,9 @@ def _build_model(
     if ckpt.config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.load_checkpoint(dict(ckpt.tensors))
-    if cpu_kernels is not None:
+    if triton:
+        model.use_triton_kernels()
+    elif cpu_kernels is not None:
         model.use_cpu_kernels(cpu_kernels)
     if device.type == "cpu" and onednn_available(dtype):
         model.use_onednn_matmuls()
@@ -788,7 +803,9 @@ def _kv_spec(config, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
     )
 
 
-def _kv_budget(config: EngineConfig, device: torch.device) -> int:
+def _kv_budget(config: EngineConfig, device: torch.device, graph_bytes: int = 0) -> int:
+    """The KV pool's bytes: kv_cache_memory as given, else (CUDA) the device's share less what
+    is in use, an activation reserve and what the decode graphs will take (`graph_bytes`)."""
     if config.kv_cache_memory is not None:
         return config.kv_cache_memory
     if device.type != "cuda":
@@ -797,7 +814,22 @@ def _kv_budget(config: EngineConfig, device: torch.device) -> int:
     used = total - free
     # leave room for activations of a full step: a quarter of what the weights take, at least 1 GiB
     reserve = max(1024**3, torch.cuda.memory_allocated(device) // 4)
-    return max(0, int(total * config.gpu_memory_utilization) - used - reserve)
+    return max(0, int(total * config.gpu_memory_utilization) - used - reserve - graph_bytes)
+
+
+def _uses_graphs(config: EngineConfig, device: torch.device, backend: PagedAttention) -> bool:
+    """Decode steps replay CUDA graphs: on CUDA, unless enforce_eager, with a backend whose
+    launches depend on the batch size alone (triton)."""
+    return (device.type == "cuda" and not config.enforce_eager
+            and getattr(backend, "supports_cuda_graphs", False))
+
+
+def _graph_bytes(config: EngineConfig, hf_config, spec: KVCacheSpec, max_model_len: int) -> int:
+    """`cuda_graphs.graph_memory_bytes` for this model at max_num_seqs rows."""
+    return graph_memory_bytes(
+        config.max_num_seqs, -(-max_model_len // spec.block_size), hf_config.hidden_size,
+        hf_config.num_attention_heads, spec.num_kv_heads, spec.head_dim,
+        hf_config.intermediate_size, spec.dtype)
 
 
 def _eos_ids(ckpt) -> set[int]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 import torch
@@ -132,6 +133,7 @@ class RMSNorm(nn.Module):
 
 class Attention(nn.Module):
     kernels: CpuKernels | None = None  # cpu_kernels, in fp32 and bf16 on CPUs
+    triton_ops: ModuleType | None = None  # triton_ops, with the triton attention backend
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
@@ -159,6 +161,12 @@ class Attention(nn.Module):
         tokens = x.shape[0]
         qkv = self.qkv_proj(x).view(tokens, -1, self.head_dim)  # [tokens, heads + 2 kv_heads, d]
         rotated = self.num_heads + self.num_kv_heads
+        if self.triton_ops is not None:  # q, k rotated in place, k and v written to the cache
+            self.triton_ops.rotary_write_kv_(qkv, self.num_heads, self.num_kv_heads, cos, sin,
+                                             kv[0], kv[1], meta.slot_mapping)
+            q, k, v = qkv.split((self.num_heads, self.num_kv_heads, self.num_kv_heads), dim=1)
+            out = backend.attend(q, k, v, kv[0], kv[1], meta, self.scale)
+            return self.o_proj(out.reshape(tokens, -1))
         if self.kernels is not None:  # q and k rotated in place, one pass
             self.kernels.rotary_(qkv, rotated, cos, sin)
             qk = qkv[:, :rotated]
@@ -171,7 +179,9 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    kernels: CpuKernels | None = None  # cpu_kernels, in fp32 and bf16 on CPUs
+    # gate_up [rows, 2 * intermediate] -> silu(gate) * up: cpu_kernels' on CPUs, triton_ops'
+    # with the triton backend; None: torch's ops
+    silu_and_mul: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
@@ -182,8 +192,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if self.kernels is not None:
-            return self.down_proj(self.kernels.silu_and_mul(gate_up))
+        if self.silu_and_mul is not None:
+            return self.down_proj(self.silu_and_mul(gate_up))
         gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -213,6 +223,7 @@ class DecoderLayer(nn.Module):
 
 class CausalLM(nn.Module):
     decode_kernels: CpuKernels | None = None  # cpu_kernels, for decode-only steps
+    triton_ops: ModuleType | None = None  # triton_ops: every layer's norms and RoPE in Triton
     decode_weights: list[list[torch.Tensor]]  # per layer, as `DecoderLayer.decode_weights`
 
     def __init__(self, config: PretrainedConfig) -> None:
@@ -244,9 +255,29 @@ class CausalLM(nn.Module):
         h = self.embed_tokens(input_ids)
         if self.decode_kernels is not None and backend.name == "cpu" and not meta.prefills:
             return self._decode_in_kernels(h, cos, sin, kv_cache, meta)
+        if self.triton_ops is not None:
+            return self._forward_fused(h, cos, sin, kv_cache, meta, backend)
         for layer, kv in zip(self.layers, kv_cache, strict=True):
             h = layer(h, cos, sin, kv, meta, backend)
         return h
+
+    def _forward_fused(self, h, cos, sin, kv_cache, meta: AttentionMetadata,
+                       backend) -> torch.Tensor:
+        """The layers with each residual add fused into the norm after it (vLLM's
+        fused_add_rms_norm): the same sums, rounded where `DecoderLayer.forward` rounds them,
+        in half the launches. A host-bound GPU step pays per launch, not per byte."""
+        norm = self.triton_ops.rms_norm
+        residual = None
+        for layer, kv in zip(self.layers, kv_cache, strict=True):
+            ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
+            if residual is None:
+                residual, x = h, norm(h, ln1.weight, ln1.eps)
+            else:  # h: the previous layer's MLP output
+                x, residual = norm(h, ln1.weight, ln1.eps, residual)
+            h = layer.self_attn(x, cos, sin, kv, meta, backend)
+            x, residual = norm(h, ln2.weight, ln2.eps, residual)
+            h = layer.mlp(x)
+        return residual + h
 
     def _decode_in_kernels(self, h, cos, sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         """A decode-only step, a layer per C++ call (`csrc/decode_layer.cpp`): the same
@@ -283,8 +314,10 @@ class CausalLM(nn.Module):
         dtype = self.lm_head.weight.dtype
         if elementwise_available_for(kernels, dtype):
             for module in self.modules():
-                if isinstance(module, (RMSNorm, Attention, MLP)):
+                if isinstance(module, (RMSNorm, Attention)):
                     module.kernels = kernels
+                elif isinstance(module, MLP):
+                    module.silu_and_mul = kernels.silu_and_mul
         if linear_available_for(kernels, dtype):
             for module in self.modules():
                 if isinstance(module, Linear):
@@ -295,6 +328,19 @@ class CausalLM(nn.Module):
                                               attn.head_dim)):
             self.decode_kernels = kernels
             self.decode_weights = [layer.decode_weights() for layer in self.layers]
+
+    def use_triton_kernels(self) -> None:
+        """With the triton attention backend (CUDA; a CPU under Triton's interpreter): norms
+        with the residual add, SiLU-and-mul, and RoPE with the KV-cache write in Triton
+        (`triton_ops`), each equal to the torch ops it replaces (tests/test_triton_ops.py)."""
+        from workers.model_executor import triton_ops
+
+        self.triton_ops = triton_ops
+        for module in self.modules():
+            if isinstance(module, Attention):
+                module.triton_ops = triton_ops
+            elif isinstance(module, MLP):
+                module.silu_and_mul = triton_ops.silu_and_mul
 
     def load_checkpoint(self, tensors: dict[str, torch.Tensor]) -> None:
         """Take Hugging Face-named tensors in, fusing q/k/v and gate/up.

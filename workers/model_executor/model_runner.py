@@ -10,6 +10,7 @@ from workers.core.kv_events import KVCopyPlan
 from workers.core.scheduler import ScheduledChunk
 from workers.model_executor.attention import AttentionMetadata
 from workers.model_executor.attention import metadata as attention_metadata
+from workers.model_executor.cuda_graphs import DecodeGraphs
 from workers.model_executor.kv_cache import KVCacheSpec, allocate_kv_cache
 from workers.model_executor.kv_transfer import KVCopier
 from workers.model_executor.model import CausalLM
@@ -63,6 +64,26 @@ class ModelRunner:
         self.rope = rope
         self.backend = backend
         self.device = device
+        self.graphs: DecodeGraphs | None = None  # enable_decode_graphs
+
+    @torch.inference_mode()
+    def enable_decode_graphs(self, sizes: list[int], max_model_len: int, capture: bool) -> None:
+        """Serve pure-decode steps of up to max(sizes) rows from `DecodeGraphs` (captured now
+        when `capture`, CUDA only; otherwise their static-buffer path runs eagerly, for tests).
+        The backend must launch on batch-size grids alone (`supports_cuda_graphs`)."""
+        if not getattr(self.backend, "supports_cuda_graphs", False):
+            raise ValueError(f"attention backend {self.backend.name} cannot run in CUDA graphs")
+        spec = self.kv_cache[0][0]  # [blocks, block_size, kv_heads, head_dim]
+        graphs = DecodeGraphs(
+            self._decode_forward, sizes, max_blocks=-(-max_model_len // self.block_size),
+            head_dim=spec.shape[-1], dtype=spec.dtype, device=self.device, capture=capture)
+        if capture:
+            graphs.capture_all()
+        self.graphs = graphs
+
+    def _decode_forward(self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, cos, sin, self.kv_cache, meta, self.backend)
 
     @torch.inference_mode()
     def copy(self, plan: KVCopyPlan) -> None:
@@ -76,7 +97,10 @@ class ModelRunner:
     def forward(self, inp: ModelInput) -> torch.Tensor:
         """The model over a prepared step: logits [sampling chunks, vocab] (`inp.sampling`)."""
         cos, sin = self.rope.lookup(inp.positions, inp.rope_spans)
-        hidden = self.model(inp.input_ids, cos, sin, self.kv_cache, inp.meta, self.backend)
+        if self.graphs is not None and self.graphs.covers(inp.meta):
+            hidden = self.graphs.run(inp.input_ids, cos, sin, inp.meta)
+        else:
+            hidden = self.model(inp.input_ids, cos, sin, self.kv_cache, inp.meta, self.backend)
         return self.model.compute_logits(hidden[inp.logits_rows])
 
     def prepare(self, chunks: list[ScheduledChunk]) -> ModelInput:

@@ -7,27 +7,40 @@ from __future__ import annotations
 import torch
 
 from workers.config import ATTENTION_BACKENDS as BACKENDS  # defined once, with the settings
-from workers.model_executor.attention.flash_backend import FlashAttention, default_provider_name
+from workers.model_executor.attention.flash_backend import (
+    FLASH_ATTN,
+    FlashAttention,
+    default_provider_name,
+    provider_missing,
+)
 from workers.model_executor.attention.metadata import AttentionMetadata, PrefillSegment
 from workers.model_executor.attention.torch_backend import PagedAttention, TorchAttention
+from workers.model_executor.attention.triton_backend import triton_missing
 from workers.model_executor.cpu_kernels import CpuKernels
 
 
 def resolve_backend_name(name: str, device: torch.device) -> str:
-    """`auto` picks flash_attn on CUDA when one of its kernel providers is there (the
-    flash-attn package, or torch's varlen_attn with block_table), cpu on a CPU, torch
-    otherwise."""
+    """`auto` on CUDA: flash_attn with the flash-attn package; else triton (kvserve's
+    kernels: any block size, split-KV by length alone, CUDA graphs); else flash_attn with
+    torch's varlen_attn; else torch (SDPA). On a CPU: cpu."""
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
     if name == "auto":
-        flash_ok = device.type == "cuda" and default_provider_name() is not None
-        if flash_ok:
+        if device.type == "cpu":
+            return "cpu"
+        if device.type != "cuda":
+            return "torch"
+        if provider_missing(FLASH_ATTN) is None:
             return "flash_attn"
-        return "cpu" if device.type == "cpu" else "torch"
+        if triton_missing(device) is None:
+            return "triton"
+        return "flash_attn" if default_provider_name() is not None else "torch"
     if name == "flash_attn" and device.type != "cuda":
         raise ValueError("attention_backend flash_attn needs a CUDA device")
     if name == "cpu" and device.type != "cpu":
         raise ValueError(f"attention_backend cpu needs the CPU device, not {device.type}")
+    if name == "triton" and (why := triton_missing(device)):
+        raise ValueError(f"attention_backend triton: {why}")
     return name
 
 
@@ -36,6 +49,10 @@ def make_backend(name: str, cpu_kernels: CpuKernels | None = None) -> PagedAtten
     could not be built) is the torch backend."""
     if name == "flash_attn":
         return FlashAttention()  # its kernel provider: flash-attn, else torch's varlen_attn
+    if name == "triton":
+        from workers.model_executor.attention.triton_backend import TritonAttention
+
+        return TritonAttention()
     if name == "cpu":
         from workers.model_executor.attention.cpu_backend import CPUAttention
 
@@ -46,5 +63,5 @@ def make_backend(name: str, cpu_kernels: CpuKernels | None = None) -> PagedAtten
 
 __all__ = [
     "AttentionMetadata", "FlashAttention", "PagedAttention", "PrefillSegment", "TorchAttention",
-    "make_backend", "resolve_backend_name",
+    "make_backend", "resolve_backend_name", "triton_missing",
 ]

@@ -31,13 +31,18 @@ class PrefillSegment:
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [tokens] long: cache slot of every token of the batch
     num_decodes: int
-    decode_block_tables: torch.Tensor  # [decodes, max_blocks] int32, padded with 0
-    decode_context_lens: torch.Tensor  # [decodes] int32
+    decode_block_tables: torch.Tensor  # [decodes, max_blocks] int32: block_tables[:decodes]
+    decode_context_lens: torch.Tensor  # [decodes] int32: seq_lens[:decodes]
     prefills: list[PrefillSegment]
     # varlen layout of the prefill chunks, for the flash kernels
     cu_seqlens_q: torch.Tensor  # [prefills + 1] int32
     cu_seqlens_k: torch.Tensor  # [prefills + 1] int32
-    prefill_block_tables: torch.Tensor  # [prefills, max_blocks] int32, padded with 0
+    prefill_block_tables: torch.Tensor  # [prefills, max_blocks] int32: block_tables[decodes:]
+    # every sequence of the step at once (decodes, one row each, then prefill chunks), for the
+    # kernels that take them in one launch (triton); the views above are rows of these
+    block_tables: torch.Tensor | None = None  # [decodes + prefills, max_blocks] int32, 0-padded
+    seq_lens: torch.Tensor | None = None  # [decodes + prefills] int32: keys each attends to
+    query_start_loc: torch.Tensor | None = None  # [decodes + prefills + 1] int32: first rows
     # host-side facts, so that no backend syncs with the device to learn a length
     max_decode_context: int = 0
     decode_lens_equal: bool = True  # every decode has the same context: no padding to mask
@@ -71,24 +76,27 @@ def build(
     decode_lens = [n for _, n in decodes]
     q_lens = [q for _, q, _ in prefills]
     k_lens = [k for _, _, k in prefills]
-    decode_tables = _padded([t for t, _ in decodes], decode_lens, block_size)
-    prefill_tables = _padded([t for t, _, _ in prefills], k_lens, block_size)
+    nd, seqs = len(decodes), len(decodes) + len(prefills)
+    tables = _padded([t for t, _ in decodes] + [t for t, _, _ in prefills],
+                     decode_lens + k_lens, block_size)
     longs = [list(slot_mapping), *map(list, extra)]
-    ints = [_flat(decode_tables), decode_lens, _cumsum(q_lens), _cumsum(k_lens),
-            _flat(prefill_tables)]
+    ints = [_flat(tables), decode_lens + k_lens, _cumsum([1] * nd + q_lens), _cumsum(q_lens),
+            _cumsum(k_lens)]
     long_part, int_part = _to_device([*longs, *ints], device, split=len(longs))
     slots, *extras = long_part
-    d_tables, d_lens, cu_q, cu_k, p_tables = int_part
-    p_tables = p_tables.view(len(prefills), -1 if prefills else 0)
+    all_tables, all_lens, query_start, cu_q, cu_k = int_part
+    all_tables = all_tables.view(seqs, -1 if seqs else 0)
+    p_tables = all_tables[nd:]
     segments, q_start = [], len(decodes)
     for i, (q_len, k_len) in enumerate(zip(q_lens, k_lens, strict=True)):
         segments.append(PrefillSegment(q_start, q_len, k_len, p_tables[i]))
         q_start += q_len
     meta = AttentionMetadata(
-        slot_mapping=slots, num_decodes=len(decodes),
-        decode_block_tables=d_tables.view(len(decodes), -1 if decodes else 0),
-        decode_context_lens=d_lens, prefills=segments, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-        prefill_block_tables=p_tables, max_decode_context=max(decode_lens, default=0),
+        slot_mapping=slots, num_decodes=nd, decode_block_tables=all_tables[:nd],
+        decode_context_lens=all_lens[:nd], prefills=segments, cu_seqlens_q=cu_q,
+        cu_seqlens_k=cu_k, prefill_block_tables=p_tables,
+        block_tables=all_tables, seq_lens=all_lens, query_start_loc=query_start,
+        max_decode_context=max(decode_lens, default=0),
         decode_lens_equal=len(set(decode_lens)) <= 1, max_prefill_q=max(q_lens, default=0),
         max_prefill_k=max(k_lens, default=0),
     )

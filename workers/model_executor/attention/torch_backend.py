@@ -20,6 +20,9 @@ def write_kv(
 def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
     """cache: [blocks, block_size, kv_heads, head_dim] -> [seqs, kv_heads, length, head_dim]."""
     seqs = block_tables.shape[0]
+    # only the blocks `length` needs: in a mixed step the tables are as wide as the longest
+    # sequence's, prefill chunks included
+    block_tables = block_tables[:, : -(-length // cache.shape[1])]
     # index_select copies whole blocks: ~5x faster on CPU than advanced indexing cache[tables]
     gathered = cache.index_select(0, block_tables.flatten())  # [seqs * max_blocks, block_size, ...]
     gathered = gathered.view(seqs, -1, *cache.shape[2:])[:, :length]
@@ -37,6 +40,14 @@ class PagedAttention:
     ) -> torch.Tensor:
         # q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim]
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        return self.attend(q, k, v, k_cache, v_cache, meta, scale)
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+    ) -> torch.Tensor:
+        """Attention over a cache that already holds the step's K/V (the model's fused RoPE
+        and KV-write kernel wrote them): decodes first, prefill chunks after."""
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
