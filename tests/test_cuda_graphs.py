@@ -14,6 +14,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
+pytestmark = pytest.mark.triton
 
 from tests.helpers import assert_engine_idle  # noqa: E402
 from workers.config import EngineConfig  # noqa: E402
@@ -28,6 +29,7 @@ from workers.model_executor.cuda_graphs import (  # noqa: E402
 from workers.model_executor.tiny import tiny_checkpoint  # noqa: E402
 
 GREEDY = {"temperature": 0, "max_tokens": 6, "ignore_eos": True}
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter's without a GPU
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +44,9 @@ def triton_tokens(checkpoint) -> list[list[int]]:
 
 
 def _engine(checkpoint, backend="triton", **config) -> LLMEngine:
+    """Eager unless a test asks for graphs (fp32: the exactness reference)."""
     config = {"kv_cache_memory": 16 * 2**20, "max_num_batched_tokens": 64, "max_num_seqs": 8,
-              "device": "cpu", "attention_backend": backend, **config}
+              "device": DEVICE, "attention_backend": backend, "enforce_eager": True, **config}
     return LLMEngine(EngineConfig(**config), checkpoint=checkpoint)
 
 
@@ -135,7 +138,8 @@ def test_graphs_only_for_cuda_and_backends_with_length_free_grids(checkpoint):
     assert not _uses_graphs(EngineConfig(enforce_eager=True), cuda, triton)
     assert not _uses_graphs(EngineConfig(), cuda, torch_backend)
     assert not _uses_graphs(EngineConfig(), cpu, triton)
-    assert _engine(checkpoint).info.cuda_graph_sizes == ()  # a CPU engine captures nothing
+    if DEVICE == "cpu":  # a CPU engine captures nothing, enforce_eager or not
+        assert _engine(checkpoint, enforce_eager=False).info.cuda_graph_sizes == ()
     engine = _engine(checkpoint, "torch")
     with pytest.raises(ValueError, match="cannot run in CUDA graphs"):
         engine.runner.enable_decode_graphs([1], 64, capture=False)
@@ -158,7 +162,7 @@ def test_graph_memory_comes_out_of_the_kv_budget(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_captured_graphs_replay_the_eager_tokens(checkpoint):
     def run(enforce_eager: bool):
-        engine = _engine(checkpoint, device="cuda", dtype="bfloat16", enforce_eager=enforce_eager)
+        engine = _engine(checkpoint, dtype="bfloat16", enforce_eager=enforce_eager)
         return engine, _greedy(engine)
 
     graphed, tokens = run(False)

@@ -48,7 +48,7 @@ def test_dry_run_reports_every_section_ok_or_skipped_with_a_reason(dry_run):
 def test_dry_run_numbers_are_sensible(dry_run):
     sections = dry_run[0]["sections"]
     tests = sections["gpu_tests"]["result"]
-    assert "tests/test_flash_backend.py" in tests["files"]
+    assert "tests/test_flash_backend.py" in tests["files"] and tests["marker"] == "gpu"
     assert tests["counts"].get("skipped", 0) > 0 and not tests["counts"].get("failed")
     models = sections["exactness"]["result"]["models"]
     assert len(models) == 2
@@ -61,15 +61,27 @@ def test_dry_run_numbers_are_sensible(dry_run):
                 assert summary["prompts"] == 3
         assert result["flash_attn"] == {"skipped": "no CUDA"}
         assert result["all_close"] is True
-    bench = sections["throughput"]["result"]
-    run = bench["runs"]["4"]
-    assert run["kvserve"]["tok_s"] > 0 and not run["kvserve"]["truncated"]
-    assert run["kvserve"]["tokens"] == run["kvserve"]["expected_tokens"]
-    assert run["hf_generate_batch"]["tok_s"] > 0 and run["kvserve_vs_hf"] > 0
+    bench = sections["throughput"]["result"]["shapes"]["tiny"]
+    engine = bench["engine"]
+    assert engine["attention_backend"] == "cpu" and engine["cuda_graph_sizes"] == []
+    for n in ("1", "4"):
+        run = bench["runs"][n]
+        assert run["kvserve"]["tok_s"] > 0 and not run["kvserve"]["truncated"]
+        assert run["kvserve"]["tokens"] == run["kvserve"]["expected_tokens"]
+        for baseline in ("hf_generate_batch", "hf_generate"):  # both transformers baselines ran
+            assert run[baseline]["tokens"] == run["kvserve"]["tokens"], (n, baseline, run)
+            assert run[f"kvserve_vs_{baseline}"] > 0
     batch1 = bench["batch1"]
     assert batch1["decode_ms_per_token"] > 0 and batch1["copy_bandwidth_bytes_per_s"] > 0
     assert batch1["decode_vs_spec_bound"] > 0
-    assert bench["step_breakdown"]["step_ms"] > 0
+    anatomy = bench["step_breakdown"]
+    assert anatomy["step_ms"] > 0 and anatomy["async_step_ms"] > 0
+    assert anatomy["gpu_busy_ms"] is None  # no GPU to profile
+    # the targets are listed, not measurable here (no 1B shape, no triton graphs)
+    targets = dry_run[0]["targets"]
+    assert {"batch1_decode_vs_measured_bound", "tok_s_at_256_requests", "tok_s_at_32_requests",
+            "vs_generate_batch_at_256_requests"} <= set(targets)
+    assert all(t["met"] is None for t in targets.values())
 
 
 def _context(tmp_path: Path, caps: dict[str, float]) -> Context:
@@ -194,3 +206,45 @@ def test_the_generate_batch_config_takes_the_installed_transformers_names(monkey
     assert old.block_size == CB_PAGE_SIZE and old.num_blocks >= 2
     monkeypatch.undo()
     assert cb_config_for(model, prompts, 8).page_size == CB_PAGE_SIZE  # the installed one
+
+
+def test_the_gpu_plan_runs_the_triton_tests_and_every_backend_with_and_without_graphs():
+    plan = gpu_check.gpu_plan()
+    assert plan.gpu_test_marker == "gpu or triton"
+    files, _ = gpu_check.gpu_test_files(markers=("gpu", "triton"))
+    assert {"tests/test_triton_ops.py", "tests/test_triton_attention.py",
+            "tests/test_cuda_graphs.py"} <= set(files)
+    assert plan.exact_backends == ("torch", "flash_attn", "triton", "triton_graphs")
+    assert gpu_check.EXACT_BACKENDS["triton_graphs"] == ("triton", False)
+    assert plan.bench_requests == (1, 32, 256)
+    assert set(plan.bench_shapes) == {gpu_check.TARGET_SHAPE, "smollm2_shape"}
+
+
+def test_a_triton_engine_with_graphs_on_a_cpu_runs_their_static_path():
+    """The check's engine factory: on a CPU (the dry run) the graphs' static-buffer path is
+    turned on eagerly, as on CUDA they are captured."""
+    from workers.model_executor.tiny import tiny_checkpoint
+
+    ckpt = tiny_checkpoint("llama")
+    engine = gpu_check.make_engine(ckpt, "cpu", "triton", False, kv_cache_memory=2**22,
+                                   max_num_seqs=4)
+    report = gpu_check.engine_report(engine)
+    assert report["attention_backend"] == "triton" and report["cuda_graph_sizes"] == []
+    assert report["graph_replays"] == {1: 0, 2: 0, 4: 0}
+    eager = gpu_check.make_engine(ckpt, "cpu", "triton", True, kv_cache_memory=2**22)
+    assert gpu_check.engine_report(eager)["graph_replays"] is None
+
+
+def test_targets_read_the_report_and_say_which_are_met():
+    shape = {"batch1": {"decode_vs_measured_bound": 2.5},
+             "runs": {"256": {"kvserve": {"tok_s": 19_000.0}, "kvserve_vs_hf_generate_batch": 6},
+                      "32": {"kvserve": {"tok_s": 5_000.0}}}}
+    graphs = {"alone": {"prompts": 8, "failed": []}, "concurrent": {"prompts": 8, "failed": [{}]},
+              "concurrent_vs_alone": {"identical": 8}}
+    sections = {"throughput": {"result": {"shapes": {gpu_check.TARGET_SHAPE: shape}}},
+                "exactness": {"result": {"models": {"m": {"triton_graphs": graphs},
+                                                    "n": {"triton_graphs": {"skipped": "x"}}}}}}
+    got = {k: v["met"] for k, v in gpu_check.targets(sections).items()}
+    assert got == {"batch1_decode_vs_measured_bound": True, "tok_s_at_256_requests": False,
+                   "tok_s_at_32_requests": True, "vs_generate_batch_at_256_requests": True,
+                   "exactness_m": False, "exactness_n": None}

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 pytest.importorskip("triton")  # (tests/conftest.py turns the interpreter on without a GPU)
+pytestmark = pytest.mark.triton
 
 from workers.model_executor import triton_ops  # noqa: E402
 from workers.model_executor.attention.torch_backend import write_kv  # noqa: E402

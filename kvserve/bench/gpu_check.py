@@ -6,17 +6,21 @@ pytest). Each question a CPU cannot answer becomes a section here, run in one pr
 time budget, and the answers land as facts (counts, errors, tok/s, ratios) in one JSON file,
 rewritten after every section so that a run cut short still leaves what it measured:
 
-1. gpu_tests: the `gpu`-marked tests (pytest in a subprocess; only files that can be
-   collected without Ray, gRPC or Redis).
-2. exactness: bf16 greedy output of kvserve (torch and flash_attn backends, requests alone and
-   concurrent) against transformers on the same GPU, by vLLM's rule (kvserve/bench/exactness.py),
-   on random-weight models (tiny Llama, SmolLM2's shape), with transformers against itself
-   (SDPA vs eager attention) as the control: how far two correct implementations part.
+1. gpu_tests: the `gpu`-marked tests and, on the GPU, the `triton`-marked ones (kvserve's Triton
+   kernels compiled for the device; pytest in a subprocess; only files that can be collected
+   without Ray, gRPC or Redis).
+2. exactness: bf16 greedy output of kvserve (the torch, flash_attn and triton backends, triton
+   eager and replaying CUDA graphs; requests alone and concurrent) against transformers on the
+   same GPU, by vLLM's rule (kvserve/bench/exactness.py), on random-weight models (tiny Llama,
+   SmolLM2's shape), with transformers against itself (SDPA vs eager attention) as the
+   control: how far two correct implementations part.
 3. flash_checks: the flash backend's kernels against the references and the torch backend
    (`workers.model_executor.attention.flash_checks.run_all`).
-4. throughput: kvserve against transformers' `generate_batch` at 32 and 256 requests on a
-   random-weight model of Llama-3.2-1B's shape, batch-1 decode against the HBM bound, and one
-   decode step's time split into schedule / prepare / model / sample.
+4. throughput: on random-weight models of Llama-3.2-1B's and SmolLM2's shapes, kvserve (its
+   default CUDA path: auto backend, graphs) at 1, 32 and 256 requests against transformers'
+   `generate_batch` and batched `generate()`; batch-1 decode against the HBM bound (graphs and
+   eager); one decode step's time split into schedule / prepare / model / sample, and its
+   host time against the GPU's busy time (torch.profiler); the issue's targets, met or not.
 
 Every section is isolated: one that fails records its error and traceback, and the rest run.
 No files are read from outside the repository: models are random, the tokenizer is built in
@@ -89,7 +93,7 @@ class Plan:
     exact_prompt_lens: tuple[int, ...]
     exact_new_tokens: int
     exact_kv_bytes: int
-    bench_shape: dict[str, Any]
+    bench_shapes: dict[str, dict[str, Any]]  # name -> tiny_config overrides
     bench_requests: tuple[int, ...]
     bench_prompt_len: int
     bench_output_len: int
@@ -98,6 +102,9 @@ class Plan:
     run_cap_s: float  # each kvserve throughput run stops here (reported as truncated)
     copy_bytes: int  # the bandwidth probe's buffer
     section_caps_s: dict[str, float] = field(default_factory=dict)
+    gpu_test_marker: str = "gpu"  # which tests the gpu_tests section runs
+    # attention backends of the exactness section (EXACT_BACKENDS' keys)
+    exact_backends: tuple[str, ...] = ("torch", "flash_attn", "triton", "triton_graphs")
 
 
 def gpu_plan() -> Plan:
@@ -110,11 +117,14 @@ def gpu_plan() -> Plan:
     return Plan(
         device="cuda", exact_models=models,
         exact_prompt_lens=(5, 17, 64, 130, 257, 300, 511, 600), exact_new_tokens=32,
-        exact_kv_bytes=2 * 1024**3, bench_shape=LLAMA_1B_SHAPE, bench_requests=(32, 256),
-        bench_prompt_len=128, bench_output_len=128, bench_max_batched_tokens=4096,
-        bench_kv_bytes=16 * 1024**3, run_cap_s=60.0, copy_bytes=2 * 1024**3,
-        # throughput runs last and gets the rest: at least 450 - 315 = 135 s of the default budget
-        section_caps_s={"gpu_tests": 120, "exactness": 150, "flash_checks": 45},
+        exact_kv_bytes=2 * 1024**3,
+        bench_shapes={"llama_3.2_1b_shape": LLAMA_1B_SHAPE, "smollm2_shape": SMOLLM2_SHAPE},
+        bench_requests=(1, 32, 256), bench_prompt_len=128, bench_output_len=128,
+        bench_max_batched_tokens=4096, bench_kv_bytes=16 * 1024**3, run_cap_s=45.0,
+        copy_bytes=2 * 1024**3,
+        # throughput runs last and gets the rest: at least 470 - 340 = 130 s of the default budget
+        section_caps_s={"gpu_tests": 120, "exactness": 190, "flash_checks": 30},
+        gpu_test_marker="gpu or triton",
     )
 
 
@@ -127,13 +137,17 @@ def dry_run_plan() -> Plan:
                                                       "vocab_size": 4096},
                       "small_smollm2_shape": {**small_smol, "initializer_range": SMOL_INITS[0]}},
         exact_prompt_lens=(5, 40, 70), exact_new_tokens=8, exact_kv_bytes=64 * 1024**2,
-        bench_shape=dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=32, intermediate_size=256,
-                         vocab_size=4096, tie_word_embeddings=True, max_position_embeddings=512),
-        bench_requests=(4,), bench_prompt_len=16, bench_output_len=8,
+        bench_shapes={"tiny": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=32, intermediate_size=256,
+                                   vocab_size=4096, tie_word_embeddings=True,
+                                   max_position_embeddings=512)},
+        bench_requests=(1, 4), bench_prompt_len=16, bench_output_len=8,
         bench_max_batched_tokens=256, bench_kv_bytes=64 * 1024**2, run_cap_s=30.0,
         copy_bytes=64 * 1024**2,
-        section_caps_s={"gpu_tests": 90, "exactness": 120, "flash_checks": 30},
+        section_caps_s={"gpu_tests": 90, "exactness": 150, "flash_checks": 30},
+        # no triton: under Triton's interpreter one model's run takes ~15-30 s of CI; the
+        # engine's triton path, graphs' static buffers included, is tests/test_cuda_graphs.py's
+        exact_backends=("torch", "flash_attn"),
     )
 
 
@@ -243,14 +257,16 @@ def _free_memory() -> None:
 # -- 1. gpu-marked tests --------------------------------------------------------------------
 
 
-def gpu_test_files(tests_dir: Path = REPO / "tests") -> tuple[list[str], dict[str, str]]:
-    """Test files with `gpu`-marked tests, and those left out (file -> why): a file whose
-    top-level imports need a package the GPU machine lacks cannot even be collected there."""
+def gpu_test_files(tests_dir: Path = REPO / "tests",
+                   markers: tuple[str, ...] = ("gpu",)) -> tuple[list[str], dict[str, str]]:
+    """Test files with tests marked with one of `markers`, and those left out (file -> why): a
+    file whose top-level imports need a package the GPU machine lacks cannot even be collected
+    there."""
     import ast
 
     chosen: list[str] = []
     left_out: dict[str, str] = {}
-    marker = re.compile(r"mark\.gpu\b")
+    marker = re.compile(r"mark\.(" + "|".join(markers) + r")\b")
     for path in sorted(tests_dir.glob("test_*.py")):
         text = path.read_text()
         if not marker.search(text):
@@ -273,11 +289,12 @@ def gpu_test_files(tests_dir: Path = REPO / "tests") -> tuple[list[str], dict[st
 
 
 def section_gpu_tests(ctx: Context, out: dict[str, Any]) -> None:
-    files, left_out = gpu_test_files()
-    out.update(files=files, left_out=left_out)
+    marker = ctx.plan.gpu_test_marker
+    files, left_out = gpu_test_files(markers=tuple(marker.split(" or ")))
+    out.update(files=files, left_out=left_out, marker=marker)
     if not files:
-        raise Skip("no collectable test file has gpu-marked tests")
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
+        raise Skip(f"no collectable test file has tests marked {marker}")
+    cmd = [sys.executable, "-m", "pytest", "-m", marker, "-q", "-p", "no:cacheprovider",
            "--continue-on-collection-errors", *files]
     out["command"] = " ".join(cmd[1:])
     timeout = max(5.0, min(ctx.plan.section_caps_s.get("gpu_tests", 600), ctx.remaining()) - 5)
@@ -346,6 +363,49 @@ def random_prompts(
     return {f"len{n}": torch.randint(3, vocab_size, (n,), generator=gen).tolist() for n in lengths}
 
 
+# exactness backends: name -> (attention_backend, enforce_eager)
+EXACT_BACKENDS = {"torch": ("torch", True), "flash_attn": ("flash_attn", True),
+                  "triton": ("triton", True), "triton_graphs": ("triton", False)}
+
+
+def backend_unavailable(name: str, device: str) -> str | None:
+    """Why exactness backend `name` (EXACT_BACKENDS) cannot run on `device`, or None."""
+    backend = EXACT_BACKENDS[name][0]
+    if backend == "flash_attn":
+        return flash_unavailable(device)
+    if backend == "triton":
+        from workers.model_executor.attention import triton_missing
+
+        return triton_missing(torch.device(device))
+    return None
+
+
+def make_engine(ckpt: Any, device: str, backend: str, enforce_eager: bool,
+                **config: Any) -> Any:
+    """A bf16 engine on `ckpt` with `backend`; with graphs on a CPU (the dry run) their
+    static-buffer path runs eagerly, as tests/test_cuda_graphs.py checks it."""
+    from workers.config import EngineConfig
+    from workers.engine import LLMEngine
+    from workers.model_executor.cuda_graphs import graph_batch_sizes
+
+    engine = LLMEngine(EngineConfig(dtype="bfloat16", device=device, attention_backend=backend,
+                                    enforce_eager=enforce_eager, **config), checkpoint=ckpt)
+    if not enforce_eager and engine.runner.graphs is None and backend == "triton":
+        engine.runner.enable_decode_graphs(graph_batch_sizes(engine.config.max_num_seqs),
+                                           engine.max_model_len, capture=False)
+    return engine
+
+
+def engine_report(engine: Any) -> dict[str, Any]:
+    """What ran: backend, kernel, block size, graphs."""
+    graphs = engine.runner.graphs
+    return {"attention_backend": engine.info.attention_backend,
+            "kernel": getattr(engine.runner.backend, "kernel_name", engine.info.attention_backend),
+            "block_size": engine.info.block_size, "num_blocks": engine.info.num_blocks,
+            "cuda_graph_sizes": list(engine.info.cuda_graph_sizes),
+            "graph_replays": dict(graphs.replays) if graphs is not None else None}
+
+
 def flash_unavailable(device: str) -> str | None:
     """Why the flash_attn backend cannot run here, or None."""
     if torch.device(device).type != "cuda" or not torch.cuda.is_available():
@@ -366,14 +426,15 @@ def flash_unavailable(device: str) -> str | None:
 
 def section_exactness(ctx: Context, out: dict[str, Any]) -> None:
     from kvserve.bench.exactness import compare, engine_greedy, hf_greedy, summary
-    from workers.config import EngineConfig
-    from workers.engine import LLMEngine
 
     plan = ctx.plan
     out["rule"] = "vLLM check_logprobs_close: at the first difference, each token in the " \
                   "other's top-5 (kvserve/bench/exactness.py)"
     out["new_tokens"] = plan.exact_new_tokens
     out["prompt_lens"] = list(plan.exact_prompt_lens)
+    out["backends"] = {name: dict(zip(("attention_backend", "enforce_eager"),
+                                      EXACT_BACKENDS[name], strict=True))
+                       for name in plan.exact_backends}
     models = out.setdefault("models", {})
     for name, overrides in plan.exact_models.items():
         ctx.say(f"exactness: {name}")
@@ -391,36 +452,38 @@ def section_exactness(ctx: Context, out: dict[str, Any]) -> None:
         except Exception as exc:
             res["control_hf_eager_vs_sdpa"] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
         ctx.save()
-        for backend in ("torch", "flash_attn"):
-            why = flash_unavailable(plan.device) if backend == "flash_attn" else None
+        for backend in plan.exact_backends:
+            why = backend_unavailable(backend, plan.device)
             if why:
                 res[backend] = {"skipped": why}
                 continue
             try:
-                engine = LLMEngine(EngineConfig(
-                    dtype="bfloat16", device=plan.device, attention_backend=backend,
-                    block_size=None, kv_cache_memory=plan.exact_kv_bytes,
-                    max_num_batched_tokens=512), checkpoint=ckpt)
+                attention, eager = EXACT_BACKENDS[backend]
+                t = time.monotonic()
+                engine = make_engine(ckpt, plan.device, attention, eager, block_size=None,
+                                     kv_cache_memory=plan.exact_kv_bytes,
+                                     max_num_batched_tokens=512)
+                start_s = time.monotonic() - t
                 t = time.monotonic()
                 alone = engine_greedy(engine, prompts, plan.exact_new_tokens, concurrent=False)
                 concurrent = engine_greedy(engine, prompts, plan.exact_new_tokens,
                                            concurrent=True)
                 res[backend] = {
-                    "kernel": getattr(engine.runner.backend, "kernel_name", backend),
-                    "block_size": engine.info.block_size,
+                    **engine_report(engine),
                     "alone": summary(compare(alone, ref)),
                     "concurrent": summary(compare(concurrent, ref)),
                     # batch invariance: the same engine, alone vs in mixed batches
                     "concurrent_vs_alone": summary(compare(concurrent, alone)),
+                    "engine_start_seconds": round(start_s, 2),
                     "seconds": round(time.monotonic() - t, 2),
                 }
                 del engine
-            except Exception as exc:  # one backend failing leaves the other's result
+            except Exception as exc:  # one backend failing leaves the others' results
                 res[backend] = {"error": f"{type(exc).__name__}: {exc}"[:1000],
                                 "traceback": traceback.format_exc()[-3000:]}
             _free_memory()
             ctx.save()
-        ran = [res[b][mode] for b in ("torch", "flash_attn") if "alone" in res[b]
+        ran = [res[b][mode] for b in plan.exact_backends if "alone" in res[b]
                for mode in ("alone", "concurrent")]
         res["all_close"] = bool(ran) and all(not s["failed"] for s in ran)
         del hf, ckpt
@@ -445,29 +508,43 @@ def section_flash_checks(ctx: Context, out: dict[str, Any]) -> None:
 
 
 def section_throughput(ctx: Context, out: dict[str, Any]) -> None:
+    plan = ctx.plan
+    out["prompt_len"], out["output_len"] = plan.bench_prompt_len, plan.bench_output_len
+    out["copy_bandwidth_bytes_per_s"] = measure_copy_bandwidth(plan.device, plan.copy_bytes)
+    shapes = out.setdefault("shapes", {})
+    for name, shape in plan.bench_shapes.items():
+        ctx.say(f"throughput: {name}")
+        shapes[name] = {}
+        try:
+            throughput_of_shape(ctx, shapes[name], shape, out["copy_bandwidth_bytes_per_s"])
+        finally:
+            _free_memory()
+        ctx.save()
+
+
+def throughput_of_shape(ctx: Context, out: dict[str, Any], shape: dict[str, Any],
+                        copy_bw: float) -> None:
+    """kvserve's default path (auto backend, graphs on CUDA) against transformers at each of
+    plan.bench_requests, batch-1 decode against the bandwidth bound, a decode step's anatomy."""
     # kvserve.bench.throughput imports tqdm: transformers does too (transformers.utils.logging),
     # so wherever transformers runs, tqdm is there
-    from kvserve.bench.baselines import hf_generate_batch, weight_bytes_per_decode_step
+    from kvserve.bench.baselines import (
+        hf_generate_batch,
+        hf_generate_padded,
+        weight_bytes_per_decode_step,
+    )
     from kvserve.bench.common import make_prompts
     from kvserve.bench.throughput import batch1_decode_ms
-    from workers.config import EngineConfig
-    from workers.engine import LLMEngine
 
     plan = ctx.plan
-    shape = {**plan.bench_shape, "initializer_range": 0.02}
+    shape = {**shape, "initializer_range": 0.02}
     out["model"] = {k: v for k, v in shape.items() if k != "initializer_range"}
-    out["prompt_len"], out["output_len"] = plan.bench_prompt_len, plan.bench_output_len
-    ctx.say("throughput: building the model")
     hf, ckpt = random_model(shape, plan.device)
-    engine = LLMEngine(EngineConfig(
-        dtype="bfloat16", device=plan.device, attention_backend="auto",
-        kv_cache_memory=plan.bench_kv_bytes, max_num_seqs=max(plan.bench_requests),
-        max_num_batched_tokens=plan.bench_max_batched_tokens), checkpoint=ckpt)
-    del ckpt
-    out["engine"] = {"attention_backend": engine.info.attention_backend,
-                     "kernel": getattr(engine.runner.backend, "kernel_name",
-                                       engine.info.attention_backend),
-                     "block_size": engine.info.block_size, "num_blocks": engine.info.num_blocks,
+    t = time.monotonic()
+    engine = make_engine(ckpt, plan.device, "auto", False, kv_cache_memory=plan.bench_kv_bytes,
+                         max_num_seqs=max(plan.bench_requests),
+                         max_num_batched_tokens=plan.bench_max_batched_tokens)
+    out["engine"] = {**engine_report(engine), "start_seconds": round(time.monotonic() - t, 2),
                      "max_num_batched_tokens": plan.bench_max_batched_tokens}
     warm = make_prompts(engine.vocab_size, 2, plan.bench_prompt_len, seed=1)
     capped_kvserve_throughput(engine, warm, 4, plan.run_cap_s)
@@ -480,24 +557,23 @@ def section_throughput(ctx: Context, out: dict[str, Any]) -> None:
             engine, prompts, plan.bench_output_len, plan.run_cap_s)}
         runs[str(n)] = run
         ctx.save()
-        ctx.say(f"throughput: HF generate_batch, {n} requests")
-        try:
-            hf_result = hf_generate_batch(hf, prompts, plan.bench_output_len)
-            run["hf_generate_batch"] = {"tok_s": hf_result.tok_s,
-                                        "tokens": hf_result.output_tokens,
-                                        "seconds": hf_result.seconds}
-            run["kvserve_vs_hf"] = run["kvserve"]["tok_s"] / hf_result.tok_s
-        except Exception as exc:
-            run["hf_generate_batch"] = {"error": f"{type(exc).__name__}: {exc}"[:1000]}
+        for key, baseline in (("hf_generate_batch", hf_generate_batch),
+                              ("hf_generate", lambda m, p, k: hf_generate_padded(m, p, k, len(p)))):
+            ctx.say(f"throughput: HF {key}, {n} requests")
+            try:
+                result = baseline(hf, prompts, plan.bench_output_len)
+                run[key] = {"tok_s": result.tok_s, "tokens": result.output_tokens,
+                            "seconds": result.seconds}
+                run[f"kvserve_vs_{key}"] = run["kvserve"]["tok_s"] / result.tok_s
+            except Exception as exc:
+                run[key] = {"error": f"{type(exc).__name__}: {exc}"[:1000]}
+            _free_memory()
+            ctx.save()
         ctx.say(f"throughput: {n} requests: {run}")
-        _free_memory()
-        ctx.save()
     ctx.say("throughput: batch-1 decode and bandwidth")
     weight_bytes = weight_bytes_per_decode_step(engine.model)
-    decode_ms = batch1_decode_ms(engine, make_prompts(engine.vocab_size, 1,
-                                                       plan.bench_prompt_len, seed=2)[0],
-                                 plan.bench_output_len)
-    copy_bw = measure_copy_bandwidth(plan.device, plan.copy_bytes)
+    prompt = make_prompts(engine.vocab_size, 1, plan.bench_prompt_len, seed=2)[0]
+    decode_ms = batch1_decode_ms(engine, prompt, plan.bench_output_len)
     spec_ms = weight_bytes / HBM_BYTES_PER_S * 1000
     measured_ms = weight_bytes / copy_bw * 1000
     out["batch1"] = {
@@ -507,10 +583,17 @@ def section_throughput(ctx: Context, out: dict[str, Any]) -> None:
         "copy_bandwidth_bytes_per_s": copy_bw, "measured_bound_ms_per_token": measured_ms,
         "decode_vs_measured_bound": decode_ms / measured_ms,
     }
+    if engine.runner.graphs is not None and engine.runner.graphs.capture:  # graphs' share
+        eager = make_engine(ckpt, plan.device, engine.info.attention_backend, True,
+                            kv_cache_memory=1024**3, max_num_batched_tokens=512)
+        out["batch1"]["eager_decode_ms_per_token"] = batch1_decode_ms(
+            eager, prompt, plan.bench_output_len)
+        del eager
     ctx.save()
-    ctx.say("throughput: one decode step's breakdown")
+    ctx.say("throughput: one decode step's anatomy")
     out["step_breakdown"] = step_breakdown(engine, min(32, max(plan.bench_requests)),
                                            plan.bench_prompt_len)
+    del engine, hf, ckpt
 
 
 def capped_kvserve_throughput(engine: Any, prompts: list[list[int]], output_len: int,
@@ -546,23 +629,27 @@ def measure_copy_bandwidth(device: str, num_bytes: int, repeats: int = 5) -> flo
 def step_breakdown(engine: Any, requests: int, prompt_len: int, steps: int = 5) -> dict[str, Any]:
     """Mean ms of a decode step of `requests` sequences, split into scheduling, input
     preparation (metadata, one host->device copy), the model's forward and the rest (sampling,
-    detokenizing, bookkeeping). Each part is synchronized, which adds a little to the total."""
+    detokenizing, bookkeeping). Each part is synchronized, which adds a little to the total;
+    then the same step unsynchronized, with the GPU's busy time in it (`host_and_gpu_time`)."""
     from kvserve.bench.common import greedy_params, make_prompts
     from workers.core.timeline import StepRecord
 
     records: list[StepRecord] = []
-    params = greedy_params(steps + 64)
+    params = greedy_params(3 * steps + 64)
     ids = [engine.add_request(prompt_token_ids=p, params=params)
            for p in make_prompts(engine.vocab_size, requests, prompt_len, seed=3)]
     while (stats := engine.scheduler_stats()).num_waiting or stats.num_decoding < requests:
         engine.step()  # until every sequence decodes
     engine.step()
-    stop = engine.observe_steps(records.append, synchronize=True)
     try:
-        for _ in range(steps):
-            engine.step()
+        stop = engine.observe_steps(records.append, synchronize=True)
+        try:
+            for _ in range(steps):
+                engine.step()
+        finally:
+            stop()
+        unsynchronized = host_and_gpu_time(engine, steps)
     finally:
-        stop()
         for rid in ids:
             engine.abort(rid)
     timings = {"schedule": sum(r.propose_s + r.schedule_s + r.copy_s for r in records),
@@ -573,12 +660,81 @@ def step_breakdown(engine: Any, requests: int, prompt_len: int, steps: int = 5) 
     ms = {k: v * 1000 / steps for k, v in timings.items()}
     return {"sequences": requests, "steps": steps, "step_ms": total * 1000 / steps,
             "schedule_ms": ms["schedule"], "prepare_ms": ms["prepare"],
-            "model_forward_ms": ms["forward"], "sample_and_rest_ms": ms["rest"]}
+            "model_forward_ms": ms["forward"], "sample_and_rest_ms": ms["rest"],
+            **unsynchronized}
+
+
+def host_and_gpu_time(engine: Any, steps: int) -> dict[str, Any]:
+    """Where a steady decode step's time goes, unsynchronized (as it serves): its wall time,
+    the GPU's busy time in it (the sum of its kernels' durations, torch.profiler) and their
+    ratio. A ratio well below 1 means the host (Python, launches) bounds the step."""
+    device = engine.device
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    _sync(device)
+    wall_ms = (time.perf_counter() - start) * 1000 / steps
+    out: dict[str, Any] = {"async_step_ms": wall_ms}
+    if device.type != "cuda":
+        return {**out, "gpu_busy_ms": None, "gpu_busy_share": None}
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        _sync(device)
+    busy_us = sum(getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)
+                  for e in prof.key_averages())
+    busy_ms = busy_us / 1000 / steps
+    return {**out, "gpu_busy_ms": busy_ms, "gpu_busy_share": busy_ms / wall_ms}
 
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+# -- the targets ----------------------------------------------------------------------------
+
+TARGET_SHAPE = "llama_3.2_1b_shape"
+# (name, where in the throughput section's shape result, comparison, bound)
+THROUGHPUT_TARGETS = (
+    ("batch1_decode_vs_measured_bound", ("batch1", "decode_vs_measured_bound"), "<=", 3.0),
+    ("tok_s_at_256_requests", ("runs", "256", "kvserve", "tok_s"), ">=", 20_000.0),
+    ("tok_s_at_32_requests", ("runs", "32", "kvserve", "tok_s"), ">=", 5_000.0),
+    ("vs_generate_batch_at_256_requests", ("runs", "256", "kvserve_vs_hf_generate_batch"), ">=",
+     5.0),
+)
+
+
+def targets(sections: dict[str, Any]) -> dict[str, Any]:
+    """The device check's targets (the 1B shape's throughput and batch-1 bound; exactness with
+    graphs on), each with its value and whether it is met (None: not measured)."""
+    out: dict[str, Any] = {}
+    shape = sections.get("throughput", {}).get("result", {}).get("shapes", {}).get(TARGET_SHAPE)
+    for name, path, op, bound in THROUGHPUT_TARGETS:
+        value: Any = shape
+        for key in path:
+            value = value.get(key) if isinstance(value, dict) else None
+        met = None if not isinstance(value, int | float) else (
+            value <= bound if op == "<=" else value >= bound)
+        out[name] = {"value": value, "target": f"{op} {bound:g}", "met": met}
+    models = sections.get("exactness", {}).get("result", {}).get("models", {})
+    for model, res in models.items():
+        graphs = res.get("triton_graphs", {})
+        if "alone" not in graphs:
+            out[f"exactness_{model}"] = {"value": None, "met": None}
+            continue
+        n = graphs["alone"]["prompts"]
+        close = [n - len(graphs[m]["failed"]) for m in ("alone", "concurrent")]
+        same = graphs["concurrent_vs_alone"]["identical"]
+        out[f"exactness_{model}"] = {
+            "value": f"close {close[0]}/{n} alone, {close[1]}/{n} concurrent; concurrent "
+                     f"identical to alone {same}/{n}",
+            "target": "all close, concurrent identical to alone, triton with CUDA graphs",
+            "met": close == [n, n] and same == n}
+    return out
 
 
 # -- the run --------------------------------------------------------------------------------
@@ -647,7 +803,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help=f"comma-separated subset of {','.join(SECTIONS)} (default: all)")
     parser.add_argument("--budget-s", type=float, default=None,
                         help="overall time budget in seconds; sections past it are skipped, a "
-                             "running one is stopped (default: 450, dry run 240)")
+                             "running one is stopped (default: 470, dry run 240)")
     args = parser.parse_args(argv)
     chosen = [s.strip() for s in args.sections.split(",") if s.strip()]
     unknown = [s for s in chosen if s not in SECTIONS]
@@ -655,12 +811,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--sections: unknown {unknown}; choose from {', '.join(SECTIONS)}")
     args.sections = chosen
     if args.budget_s is None:
-        args.budget_s = 240.0 if args.dry_run else 450.0
+        args.budget_s = 240.0 if args.dry_run else 470.0
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.dry_run and not torch.cuda.is_available():  # Triton's kernels, interpreted
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # (read as their modules load)
     plan = dry_run_plan() if args.dry_run else gpu_plan()
     if plan.device == "cuda" and not torch.cuda.is_available():
         print("gpu_check: no CUDA device here (use --dry-run on a CPU)", file=sys.stderr)
@@ -677,6 +835,10 @@ def main(argv: list[str] | None = None) -> int:
         report.save()
     ctx = Context(plan, report, time.monotonic() + args.budget_s)
     clean = run_sections(ctx, {name: SECTION_FUNCTIONS[name] for name in args.sections})
+    report.data["targets"] = targets(report.data["sections"])
+    for name, target in report.data["targets"].items():
+        report.say(f"target {name}: {target['value']} ({target.get('target', '')}): "
+                   f"{ {True: 'met', False: 'NOT met', None: 'not measured'}[target['met']]}")
     report.data["finished"] = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
     report.save()
     report.say(f"done: {args.out}")

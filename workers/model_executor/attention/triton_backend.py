@@ -69,4 +69,5 @@ class TritonAttention(PagedAttention):
         # q: [tokens, heads, head_dim] -> [tokens, heads, head_dim]; k/v are in the cache
         return self.kernels.paged_attention(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-            meta.num_decodes, scale, dot_fp32=self.dot_fp32)
+            meta.num_decodes, scale, dot_fp32=self.dot_fp32,
+            max_decode_context=meta.max_decode_context or None)

@@ -205,7 +205,7 @@ def _reduce_kernel(
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, num_decodes: int, scale: float,
-    dot_fp32: bool = False,
+    dot_fp32: bool = False, max_decode_context: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of every query row over the paged cache, which already holds them.
 
@@ -215,7 +215,10 @@ def paged_attention(
     block_tables: [seqs, max_blocks] int32; seq_lens: [seqs] int32 (keys the last query of each
     sequence sees); query_start_loc: [seqs + 1] int32 (each sequence's first row).
     -> [tokens, heads, head_dim] in q's dtype. Two launches at most (decodes, prefill chunks)
-    plus the decodes' merge; their grids depend on `tokens`, `seqs` and `num_decodes` only."""
+    plus the decodes' merge; their grids depend on `tokens`, `seqs` and `num_decodes` only.
+    `max_decode_context`, when the host knows it (an eager step), trims the decodes' split axis
+    to the splits the longest needs: fewer programs that would only exit, the same numbers
+    (each row's split count is still its own length's). None (a CUDA graph): MAX_SPLITS."""
     tokens, heads, head_dim = q.shape
     kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = heads // kv_heads
@@ -236,7 +239,8 @@ def paged_attention(
                              device=q.device)
         part_l = torch.empty_like(part_m)
         block_m = max(16, triton.next_power_of_2(group))
-        _attention_kernel[(num_decodes, kv_heads, MAX_SPLITS)](
+        split_axis = num_splits(max_decode_context) if max_decode_context else MAX_SPLITS
+        _attention_kernel[(num_decodes, kv_heads, split_axis)](
             q, k_cache, v_cache, out, part_acc, part_m, part_l,
             block_tables, seq_lens, query_start_loc, num_decodes, scale, *strides,
             BLOCK_M=block_m, BLOCK_Q=1, BLOCK_N=DECODE_BLOCK_N, SPLIT_KV=True, **common,
