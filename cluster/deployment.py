@@ -278,17 +278,17 @@ def on_logical_gpus(config: dict[str, Any], gpu_ids: list[Any], cuda: bool,
                     logical: bool) -> tuple[dict[str, Any], dict[str, tuple[Any, Any]]]:
     """The engine config a replica runs, and what was changed (setting -> (asked, used)).
 
-    A GPU config (infra/serve/gpu.yaml: device cuda, flash-attn, a 16 GiB host tier) on a node
-    whose GPUs kvserve declared itself (`kvserve up --gpus-per-node`, LOGICAL_GPUS_ENV) and
-    where CUDA is absent runs on the CPU: a multi-node GPU deployment, simulated on one
-    machine, with everything above the device as on GPUs. Anywhere else a config asking for
-    CUDA without it fails at start, loudly, as it should on a real GPU node."""
+    A GPU config (device cuda, a CUDA-only attention backend, infra/serve/gpu.yaml's 16 GiB
+    host tier) on a node whose GPUs kvserve declared itself (`kvserve up --gpus-per-node`,
+    LOGICAL_GPUS_ENV) and where CUDA is absent runs on the CPU: a multi-node GPU deployment,
+    simulated on one machine, with everything above the device as on GPUs. Anywhere else a
+    config asking for CUDA without it fails at start, loudly, as it should on a real GPU node."""
     if not (gpu_ids and logical and not cuda):
         return config, {}
     used = dict(config)
     if str(config.get("device", "auto")).startswith("cuda"):
         used["device"] = "cpu"
-    if config.get("attention_backend") == "flash_attn":
+    if config.get("attention_backend") in ("flash_attn", "triton"):  # CUDA kernels
         used["attention_backend"] = "auto"
     if parse_size(config.get("cpu_offload_memory") or 0) > LOGICAL_GPU_HOST_TIER:
         used["cpu_offload_memory"] = LOGICAL_GPU_HOST_TIER

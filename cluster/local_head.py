@@ -150,13 +150,17 @@ def disconnect_driver() -> None:
 RAY_DEFAULT_PORTS = frozenset({6379, 8265, 10001, 52365})
 
 
-def free_port() -> int:
-    """A port free on loopback now, never one of Ray's own defaults."""
+def free_port(taken: set[int] | None = None) -> int:
+    """A port free on loopback now, never one of Ray's own defaults nor one in `taken`: ports
+    already handed out but not bound yet, which the kernel may draw again (a CI run's GCS drew
+    the gRPC port the caller had picked). The port is added to `taken`."""
+    taken = set() if taken is None else taken
     while True:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        if port not in RAY_DEFAULT_PORTS:
+        if port not in RAY_DEFAULT_PORTS and port not in taken:
+            taken.add(port)
             return port
 
 
@@ -189,25 +193,28 @@ class LocalNodes:
 
 
 def start_head(num_cpus: int, timeout: float = 120, fate_share: bool = False,
-               num_gpus: int = 0, dashboard: bool = True) -> UpState:
+               num_gpus: int = 0, dashboard: bool = True,
+               taken: set[int] | None = None) -> UpState:
     """`ray start --head --block` in its own session; returns once the GCS address is known.
 
     `fate_share`: the head gets SIGTERM when the calling thread ends, as it does when this
     process dies, however it dies (call it from the main thread). `num_gpus`: the GPUs it
     declares (logical ones where the machine has fewer: Ray schedules them all the same).
     `dashboard`: the Ray dashboard, on loopback (without it, each node's agent still exports
-    metrics to Prometheus)."""
+    metrics to Prometheus). `taken`: ports the caller already chose (Serve's gRPC and HTTP),
+    which Ray's processes must not draw; the ports picked here are added to it."""
     ray_bin = Path(sys.executable).with_name("ray")
     temp_dir = tempfile.mkdtemp(prefix=TEMP_PREFIX)
     write_token(temp_dir)
-    dashboard_port = free_port()
+    taken = set() if taken is None else taken
+    dashboard_port = free_port(taken)
     cmd = [
         str(ray_bin), "start", "--head", "--block", "--disable-usage-stats",
-        f"--num-cpus={num_cpus}", f"--port={free_port()}",
+        f"--num-cpus={num_cpus}", f"--port={free_port(taken)}",
         *(["--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}"] if dashboard
           else ["--include-dashboard=false"]),
-        f"--ray-client-server-port={free_port()}",
-        f"--dashboard-agent-listen-port={free_port()}", f"--temp-dir={temp_dir}",
+        f"--ray-client-server-port={free_port(taken)}",
+        f"--dashboard-agent-listen-port={free_port(taken)}", f"--temp-dir={temp_dir}",
         *([f"--num-gpus={num_gpus}"] if num_gpus else []),
     ]
     # a one-node head has nowhere to drain replicas to: stop at once on SIGTERM
@@ -248,11 +255,13 @@ def start_head(num_cpus: int, timeout: float = 120, fate_share: bool = False,
 
 
 def start_worker_nodes(state: UpState, count: int, num_cpus: int, num_gpus: int = 0,
-                       timeout: float = 120, fate_share: bool = False) -> list[int]:
+                       timeout: float = 120, fate_share: bool = False,
+                       taken: set[int] | None = None) -> list[int]:
     """`count` more nodes of the head's cluster on this machine (`kvserve up --local-nodes`):
     each a `ray start --address --block` in its own session, with its own raylet, `num_cpus`
     CPUs and `num_gpus` (logical) GPUs, sharing the head's temp dir and auth token. Returns
     their pids once each says it started (`stop_head(..., node_pids=...)` stops them).
+    `taken`: as `start_head`'s.
 
     One after the other: raylets started at the same moment on one machine can pick the same
     free port for one of their agents, and the loser never registers (Ray gives up after 30 s)."""
@@ -263,19 +272,22 @@ def start_worker_nodes(state: UpState, count: int, num_cpus: int, num_gpus: int 
     if num_gpus:
         env[LOGICAL_GPUS_ENV] = "1"
     env |= NO_WORKER_PRESTART_ENV  # more CPUs declared than the machine has
+    taken = set() if taken is None else taken
     pids: list[int] = []
     starting: tuple[str, str] | None = None
     deadline = time.monotonic() + timeout
     try:
         for i in range(count):
             # the temp dir and agent port name this node's process (no other node has both)
-            marks = (f"--temp-dir={state.temp_dir}", f"--dashboard-agent-listen-port={free_port()}")
+            marks = (f"--temp-dir={state.temp_dir}",
+                     f"--dashboard-agent-listen-port={free_port(taken)}")
             # no log monitor: the nodes share the head's session directory, whose log files
             # the head's monitor already sends to drivers; one per node sent every line of
             # every process once per node (Ray: one log monitor per physical host)
             cmd = [str(ray_bin), "start", f"--address={state.address}", "--block",
                    "--disable-usage-stats", f"--num-cpus={num_cpus}", f"--num-gpus={num_gpus}",
-                   *marks, f"--metrics-export-port={free_port()}", "--include-log-monitor=false"]
+                   *marks, f"--metrics-export-port={free_port(taken)}",
+                   "--include-log-monitor=false"]
             log = Path(state.temp_dir) / f"ray-start-node-{i + 1}.log"
             starting = marks  # until Popen returns its pid
             with open(log, "w") as out:

@@ -110,10 +110,9 @@ def test_a_driver_keeps_the_sigterm_handler_it_had(tmp_path):
     assert out.returncode == 0
 
 
-def test_free_port_never_hands_out_one_of_rays_default_ports(monkeypatch):
-    """Ray's dashboard agent binds 52365 after we pick our ports: a port picked free there
-    once failed Serve's gRPC proxy in CI."""
-    drawn = iter([52365, 6379, 40001])
+def draws(monkeypatch, *ports: int) -> None:
+    """The kernel hands out `ports`, in turn, to each bind to port 0."""
+    drawn = iter(ports)
 
     class Drawn:
         def __enter__(self):
@@ -129,7 +128,46 @@ def test_free_port_never_hands_out_one_of_rays_default_ports(monkeypatch):
             return ("127.0.0.1", self.port)
 
     monkeypatch.setattr(local_head.socket, "socket", Drawn)
+
+
+def test_free_port_never_hands_out_one_of_rays_default_ports(monkeypatch):
+    """Ray's dashboard agent binds 52365 after we pick our ports: a port picked free there
+    once failed Serve's gRPC proxy in CI."""
+    draws(monkeypatch, 52365, 6379, 40001)
     assert local_head.free_port() == 40001
+
+
+def test_free_port_never_hands_out_a_port_already_taken(monkeypatch):
+    """A port picked free and closed can be drawn again before its user binds it."""
+    draws(monkeypatch, 40001, 40001, 40002)
+    taken: set[int] = set()
+    assert [local_head.free_port(taken), local_head.free_port(taken)] == [40001, 40002]
+    assert taken == {40001, 40002}
+    draws(monkeypatch, 40001)  # negative control: without `taken`, the same port again
+    assert local_head.free_port() == 40001
+
+
+def test_rays_head_never_listens_on_the_ports_serve_will_bind(monkeypatch, tmp_path):
+    """A CI run's `kvserve up --grpc-port P` started a Ray head whose GCS drew P too: Serve's
+    gRPC proxy then failed to bind. `start` hands its ports to the head as taken."""
+    from cluster.app import AppConfig
+    from kvserve.cli import launch
+
+    draws(monkeypatch, 51221, 51221, 40001, 40002, 40003, 40004)
+    started: list[list[str]] = []
+
+    def popen(cmd, **kwargs):
+        started.append(cmd)
+        raise OSError("not starting Ray here")
+
+    monkeypatch.setattr(local_head.subprocess, "Popen", popen)
+    monkeypatch.setattr(local_head.tempfile, "mkdtemp", lambda prefix: str(tmp_path))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with pytest.raises(OSError):
+        launch.start(AppConfig(), 51221, fate_share=False, http_port=51222)
+    [cmd] = started
+    assert not [arg for arg in cmd if arg.endswith(("=51221", "=51222"))], cmd
+    assert "--port=40002" in cmd, cmd  # the dashboard's 40001, then the GCS's
 
 
 def test_local_nodes_share_the_machines_cpus_or_what_the_replicas_need(monkeypatch):
@@ -159,6 +197,9 @@ def test_a_gpu_config_runs_on_the_cpu_only_on_kvserves_logical_gpus():
         assert on_logical_gpus(gpu, gpu_ids, cuda, logical) == (gpu, {})
     small = {"device": "auto", "cpu_offload_memory": "64MiB"}  # nothing to give up
     assert on_logical_gpus(small, ["0"], cuda=False, logical=True) == (small, {})
+    triton = {"device": "cuda:0", "attention_backend": "triton"}  # kvserve's CUDA kernels
+    assert on_logical_gpus(triton, ["0"], cuda=False, logical=True)[1] == {
+        "device": ("cuda:0", "cpu"), "attention_backend": ("triton", "auto")}
 
 
 def test_nodes_can_declare_more_cpus_than_the_machine_has():

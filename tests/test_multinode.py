@@ -426,8 +426,8 @@ def test_the_serve_yamls_deploy_onto_the_cluster_unchanged_but_for_the_model(
     assert len(sim.greedy("The capital of France is")) == 6
     logs = Path(sim.state.temp_dir).glob("session_latest/logs/serve/replica_*.log")
     said = "".join(log.read_text() for log in logs)  # (only this replica had a GPU config)
-    for change in ("device cuda -> cpu", "attention_backend flash_attn -> auto",
-                   "cpu_offload_memory 16GiB -> 536870912"):
+    # (its attention_backend auto needs no change: the CPU kernels there)
+    for change in ("device cuda -> cpu", "cpu_offload_memory 16GiB -> 536870912"):
         assert change in said, said[-3000:]
 
 

@@ -89,12 +89,15 @@ def start(config: AppConfig, grpc_port: int, fate_share: bool,
     if address is None:
         replicas = config.autoscaling.max_replicas if config.autoscaling else config.replicas
         cpus = nodes.cpus_per_node(replicas * config.num_cpus_per_replica)
+        taken = {grpc_port, http_port}  # Serve binds them only once Ray is up
         state = local_head.start_head(cpus, fate_share=fate_share,  # stops it if interrupted
-                                      num_gpus=nodes.gpus_per_node, dashboard=nodes.dashboard)
+                                      num_gpus=nodes.gpus_per_node, dashboard=nodes.dashboard,
+                                      taken=taken)
         if nodes.count > 1:
             try:
                 state.node_pids = local_head.start_worker_nodes(
-                    state, nodes.count - 1, cpus, nodes.gpus_per_node, fate_share=fate_share)
+                    state, nodes.count - 1, cpus, nodes.gpus_per_node, fate_share=fate_share,
+                    taken=taken)
             except BaseException:
                 local_head.stop_head(state.head_pid, state.temp_dir)
                 raise
