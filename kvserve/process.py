@@ -88,7 +88,7 @@ def sigterm_as_interrupt() -> Iterator[None]:
     block ends. `timeout` and process managers send SIGTERM, often to a whole process group, and
     `make` sends its child a second one; Python's default for SIGTERM ends the process without
     any clean-up. (Ray's init and shutdown replace the handler: see
-    `cluster.ray_compat.sigterm_handler_kept`.)"""
+    `kvserve.cluster.ray_compat.sigterm_handler_kept`.)"""
     previous = {s: signal.signal(s, _interrupt_once) for s in STOP_SIGNALS}
     try:
         yield

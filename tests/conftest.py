@@ -10,17 +10,21 @@ from pathlib import Path
 import pytest
 import torch
 
-# Without a GPU, Triton's kernels (the triton attention backend, workers/model_executor/
+# Without a GPU, Triton's kernels (the triton attention backend, kvserve/workers/model_executor/
 # triton_ops.py) run under Triton's interpreter on CPU tensors. Triton reads this when a kernel
 # module is imported, so it is set here, before any test imports one.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from workers.config import EngineConfig  # noqa: E402
-from workers.engine import LLMEngine  # noqa: E402
-from workers.model_executor.cpu_kernels import load_cpu_kernels  # noqa: E402
-from workers.model_executor.loader import LoadedCheckpoint, load_checkpoint, resolve_model_dir  # noqa: E402
-from workers.model_executor.tiny import tiny_checkpoint  # noqa: E402
+from kvserve.workers.config import EngineConfig  # noqa: E402
+from kvserve.workers.engine import LLMEngine  # noqa: E402
+from kvserve.workers.model_executor.cpu_kernels import load_cpu_kernels  # noqa: E402
+from kvserve.workers.model_executor.loader import (  # noqa: E402
+    LoadedCheckpoint,
+    load_checkpoint,
+    resolve_model_dir,
+)
+from kvserve.workers.model_executor.tiny import tiny_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -34,7 +38,8 @@ def real_checkpoint(model_dir: Path) -> LoadedCheckpoint:
     """The default model's weights, config and tokenizer, read once: engines with other
     settings pass it as `checkpoint=` rather than reading and parsing the files again.
     (Engines take these tensors as their own parameters where dtype and shape match, and fuse
-    copies of the rest (workers/model_executor/model.py `load_checkpoint`); nothing writes to
+    copies of the rest (kvserve/workers/model_executor/model.py `load_checkpoint`); nothing writes
+    to
     them.)"""
     return load_checkpoint(None)
 

@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 import torch
 from torch.overrides import TorchFunctionMode
 
-from workers.engine import LLMEngine
+from kvserve.workers.engine import LLMEngine
 
 T = TypeVar("T")
 

@@ -25,14 +25,14 @@ from typing import Any
 
 import grpc
 
-from cache_manager import actor as cache_manager
-from cluster import key_rings
-from cluster.app import GRPC_SERVICER_FUNCTIONS, build_app
-from cluster.client import call_metadata
-from cluster.deployment import ADMIN_ENV
-from cluster.http_ingress import PROXY_CALLBACK, PROXY_CALLBACK_ENV
-from cluster.local_head import free_port
-from cluster.ray_compat import NO_WORKER_PRESTART, QUIET_SERVE_ENV
+from kvserve.cache_manager import actor as cache_manager
+from kvserve.cluster import key_rings
+from kvserve.cluster.app import GRPC_SERVICER_FUNCTIONS, build_app
+from kvserve.cluster.client import call_metadata
+from kvserve.cluster.deployment import ADMIN_ENV
+from kvserve.cluster.http_ingress import PROXY_CALLBACK, PROXY_CALLBACK_ENV
+from kvserve.cluster.local_head import free_port
+from kvserve.cluster.ray_compat import NO_WORKER_PRESTART, QUIET_SERVE_ENV
 from kvserve.v1 import generation_pb2 as pb
 from kvserve.v1 import generation_pb2_grpc as pb_grpc
 
@@ -42,7 +42,8 @@ CLUSTER_CPUS = 2  # the session cluster's, this machine's cores
 # The 1-replica app that the tests needing nothing special share (`reuse=True`)
 DEFAULT_APP = {"kv_cache_memory": "512MiB"}
 # The session cluster's replicas allow the admin endpoint (test-only failure injection,
-# cluster/deployment.py ADMIN_ENV): tests/test_serve_replica_health.py needs it, and a cluster
+# kvserve/cluster/deployment.py ADMIN_ENV): tests/test_serve_replica_health.py needs it, and a
+# cluster
 # started again for it alone cost a shutdown and a start (the test took 50-58 s in CI, 28-32 s
 # without)
 CLUSTER_ENV = {ADMIN_ENV: "1"}
@@ -122,7 +123,7 @@ def _start_cluster(env: dict[str, str]) -> _Cluster:
     from ray.serve.config import gRPCOptions
 
     metrics_port = free_port()
-    # the HTTP proxy's key check (cluster/http_ingress.py), read by the proxy at its start:
+    # the HTTP proxy's key check (kvserve/cluster/http_ingress.py), read by the proxy at its start:
     # Ray's processes inherit this driver's environment
     os.environ[PROXY_CALLBACK_ENV] = PROXY_CALLBACK
     # Serve polling less while it idles between tests (ray_compat.QUIET_SERVE_ENV), also read

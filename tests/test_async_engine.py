@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
+from kvserve.workers.async_engine import AsyncLLMEngine
 from tests.helpers import assert_engine_idle
-from workers.async_engine import AsyncLLMEngine
 
 
 def test_streamed_chinese_and_emoji_text_is_never_broken(real_engine):
@@ -98,7 +98,7 @@ def test_cancelling_or_leaving_the_stream_aborts_the_request(make_tiny_engine):
 def test_a_full_admission_queue_rejects_new_requests_and_leaves_the_others_alone(
     make_tiny_engine,
 ):
-    from workers.errors import QueueFullError
+    from kvserve.workers.errors import QueueFullError
 
     core = make_tiny_engine(max_num_seqs=1, max_waiting_requests=2)
     params = {"max_tokens": 8, "ignore_eos": True}
@@ -123,7 +123,7 @@ def test_a_full_admission_queue_rejects_new_requests_and_leaves_the_others_alone
 
 
 def test_shutdown_ends_open_streams_with_an_error_and_refuses_new_requests(make_tiny_engine):
-    from workers.errors import EngineShutdownError
+    from kvserve.workers.errors import EngineShutdownError
 
     core = make_tiny_engine(max_num_seqs=1)
     params = {"max_tokens": 500, "ignore_eos": True}
@@ -150,7 +150,7 @@ def test_shutdown_ends_open_streams_with_an_error_and_refuses_new_requests(make_
 
 
 def test_admission_is_bounded_by_the_kv_the_waiting_requests_need(make_tiny_engine):
-    from workers.errors import QueueFullError
+    from kvserve.workers.errors import QueueFullError
 
     # 16 blocks of 4 tokens; each request needs 6 (3 + 20 tokens): the limit, one pool's worth,
     # holds two waiting requests but not a third
@@ -181,7 +181,7 @@ def test_admission_is_bounded_by_the_kv_the_waiting_requests_need(make_tiny_engi
 def _engine_at_100_prompt_tokens_per_s(make_tiny_engine):
     """A 16-token step budget, a 1 s time bound, and a rate as if measured at 100 prompt
     tokens/s (smoothing 0 keeps it while the tiny model runs)."""
-    from workers.core.prefill_rate import PrefillRate
+    from kvserve.workers.core.prefill_rate import PrefillRate
 
     core = make_tiny_engine(max_num_batched_tokens=16, max_expected_wait_s=1.0)
     core.prefill_rate = PrefillRate(budget=16, smoothing=0.0, tokens_per_s=100.0)
@@ -189,7 +189,7 @@ def _engine_at_100_prompt_tokens_per_s(make_tiny_engine):
 
 
 def test_admission_is_bounded_by_the_expected_wait_for_the_prompts_ahead(make_tiny_engine):
-    from workers.errors import QueueFullError
+    from kvserve.workers.errors import QueueFullError
 
     core = _engine_at_100_prompt_tokens_per_s(make_tiny_engine)
     long_prompt = [10 + i % 50 for i in range(300)]  # 19 steps of 16 tokens: 3 s at 100 tok/s
@@ -214,7 +214,7 @@ def test_admission_is_bounded_by_the_expected_wait_for_the_prompts_ahead(make_ti
 
 
 def test_the_time_bound_counts_the_requests_own_prompt_once_the_replica_is_busy(make_tiny_engine):
-    from workers.errors import QueueFullError
+    from kvserve.workers.errors import QueueFullError
 
     core = _engine_at_100_prompt_tokens_per_s(make_tiny_engine)
     params = {"max_tokens": 30, "ignore_eos": True}
@@ -237,7 +237,7 @@ def test_the_time_bound_counts_the_requests_own_prompt_once_the_replica_is_busy(
 
 
 def test_prefill_rate_learns_from_full_steps_and_shares_the_budget_with_decodes():
-    from workers.core.prefill_rate import PrefillRate
+    from kvserve.workers.core.prefill_rate import PrefillRate
 
     rate = PrefillRate(budget=512, smoothing=0.5)
     assert rate.seconds_for(1000) is None  # nothing measured: no time bound yet
@@ -255,8 +255,8 @@ def test_prefill_rate_learns_from_full_steps_and_shares_the_budget_with_decodes(
 
 
 def test_while_a_request_decodes_prompt_chunks_fit_the_itl_target(make_tiny_engine):
-    from workers.core.prefill_rate import PrefillRate
-    from workers.core.sampling_params import SamplingParams
+    from kvserve.workers.core.prefill_rate import PrefillRate
+    from kvserve.workers.core.sampling_params import SamplingParams
 
     engine = make_tiny_engine(itl_target_ms=200.0)  # 512-token budget by default
     engine.prefill_rate = PrefillRate(budget=512, smoothing=0.0, tokens_per_s=100.0)
@@ -298,7 +298,7 @@ async def _wait_idle(core, timeout_s: float = 5.0) -> None:
 def test_health_check_passes_while_the_loop_runs_and_fails_once_a_step_raised(
     make_tiny_engine,
 ):
-    from workers.errors import EngineDeadError, EngineShutdownError
+    from kvserve.workers.errors import EngineDeadError, EngineShutdownError
 
     core = make_tiny_engine()
     params = {"max_tokens": 400, "ignore_eos": True}
@@ -332,7 +332,7 @@ def test_health_check_passes_while_the_loop_runs_and_fails_once_a_step_raised(
 
 
 def test_a_cancelled_step_loop_is_dead_and_fails_open_and_new_requests(make_tiny_engine):
-    from workers.errors import EngineDeadError
+    from kvserve.workers.errors import EngineDeadError
 
     core = make_tiny_engine()
     params = {"max_tokens": 400, "ignore_eos": True}
@@ -388,7 +388,7 @@ def test_warm_up_runs_a_request_end_to_end_and_leaves_nothing_behind(make_tiny_e
 
 
 def test_a_warm_up_whose_step_fails_raises_and_restores_prefix_caching(make_tiny_engine):
-    from workers.errors import EngineDeadError
+    from kvserve.workers.errors import EngineDeadError
 
     core = make_tiny_engine(enable_prefix_caching=True)
     _fail_steps(core, "no kernel image is available for execution on the device")

@@ -1,4 +1,5 @@
-"""API keys and tenant limits, the pure logic (cluster/auth.py, cluster/tenant_limits.py)."""
+"""API keys and tenant limits, the pure logic (kvserve/cluster/auth.py,
+kvserve/cluster/tenant_limits.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,16 @@ import json
 
 import pytest
 
-from cluster.auth import AuthError, Gate, KeyRing, RateLimited, Tenant, digest, load_key_ring
-from cluster.tenant_limits import TenantLimiter
+from kvserve.cluster.auth import (
+    AuthError,
+    Gate,
+    KeyRing,
+    RateLimited,
+    Tenant,
+    digest,
+    load_key_ring,
+)
+from kvserve.cluster.tenant_limits import TenantLimiter
 
 
 def test_keys_from_flags_env_and_file_name_their_tenants(tmp_path):
@@ -107,9 +116,10 @@ def test_the_gate_admits_only_tenants_within_their_limits():
 
 
 def test_the_http_proxy_middleware_refuses_a_bad_key_without_forwarding():
-    """cluster/http_ingress.KeyCheck, as Serve's HTTP proxy runs it: 401 in OpenAI's shape and
+    """kvserve/cluster/http_ingress.KeyCheck, as Serve's HTTP proxy runs it: 401 in OpenAI's shape
+    and
     the app never called; a valid key, an open cluster and /health pass through."""
-    from cluster.http_ingress import KeyCheck
+    from kvserve.cluster.http_ingress import KeyCheck
 
     forwarded: list[str] = []
 

@@ -7,9 +7,9 @@ import asyncio
 
 import pytest
 
+from kvserve.workers.async_engine import AsyncLLMEngine
+from kvserve.workers.errors import InvalidRequestError
 from tests.helpers import assert_engine_idle
-from workers.async_engine import AsyncLLMEngine
-from workers.errors import InvalidRequestError
 
 GOOD = {"max_tokens": 8}
 

@@ -20,7 +20,7 @@ def tiny_hf():
     there): fp32 so that every way of batching picks the same greedy tokens."""
     from transformers import AutoModelForCausalLM
 
-    from workers.model_executor.tiny import tiny_config
+    from kvserve.workers.model_executor.tiny import tiny_config
 
     config = tiny_config("llama")
     torch.manual_seed(0)

@@ -6,11 +6,11 @@ import math
 
 import pytest
 
+from kvserve.workers.config import EngineConfig
+from kvserve.workers.core.outputs import RequestOutput
+from kvserve.workers.engine import LLMEngine
 from tests.helpers import assert_engine_idle, output_ids, solo_ids
 from tests.prompts import varied_prompts
-from workers.config import EngineConfig
-from workers.core.outputs import RequestOutput
-from workers.engine import LLMEngine
 
 pytestmark = pytest.mark.slow  # every test here runs the real SmolLM2
 

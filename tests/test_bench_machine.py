@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from kvserve.bench import machine
+from kvserve.workers.model_executor.cpu_kernels import cpu_summary
 from tests.test_cli import run_json
-from workers.model_executor.cpu_kernels import cpu_summary
 
 
 def test_the_stolen_share_is_the_steal_ticks_over_all_ticks_between_readings():

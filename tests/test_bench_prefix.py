@@ -10,8 +10,8 @@ import pytest
 
 from kvserve.bench.prefix import SETTINGS, ChatWorkload, SettingResult, _report, run_prefix_bench
 from kvserve.cli import build_parser
-from workers.config import EngineConfig
-from workers.core.outputs import KVCacheStats
+from kvserve.workers.config import EngineConfig
+from kvserve.workers.core.outputs import KVCacheStats
 
 
 def test_bench_prefix_runs_every_setting_on_identical_chats(model_dir):

@@ -6,7 +6,7 @@ import json
 
 from kvserve.bench.speculative import INPUT_GROUNDED, run_speculative_bench, workloads
 from kvserve.cli import build_parser
-from workers.config import EngineConfig
+from kvserve.workers.config import EngineConfig
 
 
 def test_bench_speculative_reports_every_cell_with_identical_outputs(model_dir):

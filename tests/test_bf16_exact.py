@@ -22,10 +22,10 @@ from kvserve.bench.exactness import (
     logprobs_close,
     summary,
 )
+from kvserve.workers.config import EngineConfig
+from kvserve.workers.engine import LLMEngine
 from tests.helpers import assert_engine_idle
 from tests.prompts import varied_prompts
-from workers.config import EngineConfig
-from workers.engine import LLMEngine
 
 NEW_TOKENS = 32
 
@@ -85,7 +85,7 @@ def _tiny_comparison(dtype: str, concurrent: bool, **engine_config) -> dict:
     nearly flat, every token a near-tie, and the rule could not tell anything apart."""
     from transformers import AutoModelForCausalLM
 
-    from workers.model_executor.tiny import tiny_checkpoint
+    from kvserve.workers.model_executor.tiny import tiny_checkpoint
 
     ckpt = tiny_checkpoint("llama", initializer_range=0.3)
     engine = LLMEngine(EngineConfig(dtype=dtype, device="cpu", kv_cache_memory=4 * 1024**2,

@@ -29,16 +29,16 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+from kvserve.workers.config import EngineConfig
+from kvserve.workers.core.block_manager import BlockManager, KVCacheBlocks
+from kvserve.workers.core.outputs import RequestOutput
+from kvserve.workers.core.sampling_params import SamplingParams
+from kvserve.workers.core.scheduler import Scheduler
+from kvserve.workers.core.sequence import FinishReason, Sequence, SequenceStatus
+from kvserve.workers.engine import LLMEngine
+from kvserve.workers.model_executor.kv_cache import KVCacheSpec
+from kvserve.workers.model_executor.tiny import tiny_checkpoint, tiny_config
 from tests.helpers import assert_engine_idle, output_ids
-from workers.config import EngineConfig
-from workers.core.block_manager import BlockManager, KVCacheBlocks
-from workers.core.outputs import RequestOutput
-from workers.core.sampling_params import SamplingParams
-from workers.core.scheduler import Scheduler
-from workers.core.sequence import FinishReason, Sequence, SequenceStatus
-from workers.engine import LLMEngine
-from workers.model_executor.kv_cache import KVCacheSpec
-from workers.model_executor.tiny import tiny_checkpoint, tiny_config
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from cache_manager.index import KVIndex, ReplicaReport, ReplicaUsage
-from cache_manager.redis_server import connect
+from kvserve.cache_manager.index import KVIndex, ReplicaReport, ReplicaUsage
+from kvserve.cache_manager.redis_server import connect
 
 
 @pytest.fixture(scope="module")

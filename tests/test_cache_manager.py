@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from cache_manager.index import KVIndex, ReplicaReport, ReplicaUsage
-from cache_manager.manager import CacheManager, ReplicaState
-from cache_manager.redis_server import connect
+from kvserve.cache_manager.index import KVIndex, ReplicaReport, ReplicaUsage
+from kvserve.cache_manager.manager import CacheManager, ReplicaState
+from kvserve.cache_manager.redis_server import connect
 
 USAGE = ReplicaUsage(100, 4, 2, block_size=16)
 

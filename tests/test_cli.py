@@ -49,7 +49,7 @@ def _leaf_parsers(parser=None, path=()):
 
 def test_help_explains_every_flag_of_every_command():
     """Every option has a help text, and --help shows every flag (the engine flags are
-    generated from workers.config; tests/test_config.py checks their defaults)."""
+    generated from kvserve.workers.config; tests/test_config.py checks their defaults)."""
     leaves = dict(_leaf_parsers())
     assert {("generate",), ("up",), ("bench", "serve"), ("eval", "recall"),
             ("loadtest",)} <= set(leaves)
@@ -121,8 +121,8 @@ def test_prepare_reports_the_cache_the_engine_reads_and_why_kernels_cannot_build
     `make test` does on a fresh clone before the suite: a failure there fails CI.)"""
     import torch
 
+    from kvserve.workers.model_executor.cpu_kernels import build_dir_name, cpu_features
     from tests.test_cli_detached import new_user_env
-    from workers.model_executor.cpu_kernels import build_dir_name, cpu_features
 
     (tmp_path / "ready").mkdir()
     env = new_user_env(model_dir, tmp_path / "ready")
@@ -272,7 +272,7 @@ def test_config_checks_and_the_serve_driver_leave_the_model_stack_to_the_replica
     out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
-    bind = ("import sys; from cluster.app import build_app; build_app({'replicas': 2}); "
+    bind = ("import sys; from kvserve.cluster.app import build_app; build_app({'replicas': 2}); "
             "print(sorted({'torch', 'ray', 'transformers'} & set(sys.modules)))")
     out = subprocess.run([sys.executable, "-c", bind], capture_output=True, text=True,
                          timeout=120)

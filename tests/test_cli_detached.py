@@ -19,9 +19,9 @@ import grpc
 import pytest
 import redis
 
-from cache_manager.actor import EMBEDDED_PREFIX
-from cache_manager.redis_server import owner_alive
-from cluster import local_head
+from kvserve.cache_manager.actor import EMBEDDED_PREFIX
+from kvserve.cache_manager.redis_server import owner_alive
+from kvserve.cluster import local_head
 from kvserve.process import cmdline
 from kvserve.v1 import generation_pb2 as pb
 from kvserve.v1 import generation_pb2_grpc as pb_grpc

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from cluster import local_head
+from kvserve.cluster import local_head
 from tests.serving import free_port
 from tests.test_cli import KVSERVE
 from tests.test_cli_detached import (

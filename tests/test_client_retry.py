@@ -8,8 +8,8 @@ from concurrent import futures
 import grpc
 import pytest
 
-from cluster.client import Client, backoff_s
-from cluster.local_head import free_port
+from kvserve.cluster.client import Client, backoff_s
+from kvserve.cluster.local_head import free_port
 from kvserve.v1 import generation_pb2 as pb
 from kvserve.v1 import generation_pb2_grpc as pb_grpc
 

@@ -7,8 +7,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from cluster.coalesce import coalesce
-from cluster.service import merge_responses
+from kvserve.cluster.coalesce import coalesce
+from kvserve.cluster.service import merge_responses
 from kvserve.v1 import generation_pb2 as pb
 
 

@@ -1,6 +1,8 @@
-"""One definition of each engine setting (workers/config.py), and the front ends agree with it:
+"""One definition of each engine setting (kvserve/workers/config.py), and the front ends agree with
+it:
 every EngineConfig field is a CLI flag and an AppConfig field with the same default, choices
-and bounds, except the differences workers.config.ENTRY_POINT_DEFAULTS names; every value set
+and bounds, except the differences kvserve.workers.config.ENTRY_POINT_DEFAULTS names; every value
+set
 on either front end reaches the EngineConfig; the infra configs use only known keys.
 
 Negative controls, checked by hand (each made a test here fail): engine_args skipping one
@@ -19,10 +21,10 @@ from typing import Any
 import pytest
 import yaml
 
-from cluster.app import AppConfig
 from kvserve.cli import build_parser
 from kvserve.cli.engine_args import engine_config, flag_names
-from workers.config import (
+from kvserve.cluster.app import AppConfig
+from kvserve.workers.config import (
     ENTRY_POINT_DEFAULTS,
     EngineConfig,
     EngineSetting,

@@ -8,12 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import output_ids
-from workers.model_executor.attention import make_backend, resolve_backend_name
-from workers.model_executor.attention import metadata as attention_metadata
-from workers.model_executor.attention.cpu_backend import CPUAttention
-from workers.model_executor.attention.torch_backend import TorchAttention
-from workers.model_executor.cpu_kernels import (
+from kvserve.workers.model_executor.attention import make_backend, resolve_backend_name
+from kvserve.workers.model_executor.attention import metadata as attention_metadata
+from kvserve.workers.model_executor.attention.cpu_backend import CPUAttention
+from kvserve.workers.model_executor.attention.torch_backend import TorchAttention
+from kvserve.workers.model_executor.cpu_kernels import (
     STALE_LOCK_S,
     build_dir_name,
     clear_stale_lock,
@@ -21,8 +20,9 @@ from workers.model_executor.cpu_kernels import (
     elementwise_available_for,
     load_cpu_kernels,
 )
-from workers.model_executor.model import RMSNorm
-from workers.model_executor.rope import rotate
+from kvserve.workers.model_executor.model import RMSNorm
+from kvserve.workers.model_executor.rope import rotate
+from tests.helpers import output_ids
 
 
 @pytest.fixture(scope="module")

@@ -11,12 +11,15 @@ from kvserve.bench.baselines import (
     weight_bytes_per_decode_step,
     weights_read_seconds,
 )
-from workers.engine import _build_model
-from workers.model_executor.attention import make_backend
-from workers.model_executor.attention import metadata as attention_metadata
-from workers.model_executor.cpu_kernels import elementwise_available_for, linear_available_for
-from workers.model_executor.model import Linear
-from workers.model_executor.tiny import tiny_checkpoint
+from kvserve.workers.engine import _build_model
+from kvserve.workers.model_executor.attention import make_backend
+from kvserve.workers.model_executor.attention import metadata as attention_metadata
+from kvserve.workers.model_executor.cpu_kernels import (
+    elementwise_available_for,
+    linear_available_for,
+)
+from kvserve.workers.model_executor.model import Linear
+from kvserve.workers.model_executor.tiny import tiny_checkpoint
 
 
 @pytest.fixture(scope="module")

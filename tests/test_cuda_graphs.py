@@ -1,4 +1,4 @@
-"""Decode steps through CUDA graphs (workers/model_executor/cuda_graphs.py) and the triton
+"""Decode steps through CUDA graphs (kvserve/workers/model_executor/cuda_graphs.py) and the triton
 backend in the engine.
 
 Without a GPU the graphs' static-buffer path runs eagerly (`capture=False`): the bucket choice,
@@ -16,17 +16,17 @@ import torch
 pytest.importorskip("triton")
 pytestmark = pytest.mark.triton
 
-from tests.helpers import assert_engine_idle  # noqa: E402
-from workers.config import EngineConfig  # noqa: E402
-from workers.engine import LLMEngine, _kv_budget, _uses_graphs  # noqa: E402
-from workers.model_executor.attention import make_backend  # noqa: E402
-from workers.model_executor.cuda_graphs import (  # noqa: E402
+from kvserve.workers.config import EngineConfig  # noqa: E402
+from kvserve.workers.engine import LLMEngine, _kv_budget, _uses_graphs  # noqa: E402
+from kvserve.workers.model_executor.attention import make_backend  # noqa: E402
+from kvserve.workers.model_executor.cuda_graphs import (  # noqa: E402
     DecodeGraphs,
     graph_batch_sizes,
     graph_memory_bytes,
     padded_size,
 )
-from workers.model_executor.tiny import tiny_checkpoint  # noqa: E402
+from kvserve.workers.model_executor.tiny import tiny_checkpoint  # noqa: E402
+from tests.helpers import assert_engine_idle  # noqa: E402
 
 GREEDY = {"temperature": 0, "max_tokens": 6, "ignore_eos": True}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter's without a GPU

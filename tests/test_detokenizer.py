@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from workers.core.detokenizer import IncrementalDetokenizer
+from kvserve.workers.core.detokenizer import IncrementalDetokenizer
 
 PROMPT = "<|im_start|>user\nWrite something.<|im_end|>\n<|im_start|>assistant\n"
 
@@ -25,7 +25,7 @@ EMOJI = "Party time 🎉😀👍🏽 and flags 🇫🇷🇯🇵 — done ✅"
 def tok() -> Any:
     from transformers import AutoTokenizer
 
-    from workers.model_executor.loader import resolve_model_dir
+    from kvserve.workers.model_executor.loader import resolve_model_dir
 
     return AutoTokenizer.from_pretrained(resolve_model_dir(None))
 

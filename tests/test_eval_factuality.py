@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from evals.factuality import closed_book as cb
-from evals.factuality import grounded as gr
-from evals.stats import wilson_interval
+from kvserve.evals.factuality import closed_book as cb
+from kvserve.evals.factuality import grounded as gr
+from kvserve.evals.stats import wilson_interval
 
 DATA = Path(cb.__file__).resolve().parents[1] / "data"
 

@@ -1,12 +1,12 @@
 """The lm-evaluation-harness task's scoring and the comparison with the in-process engine
-(evals/harness), on logged samples shaped as lm-eval 0.4 writes them."""
+(kvserve/evals/harness), on logged samples shaped as lm-eval 0.4 writes them."""
 
 from __future__ import annotations
 
 import json
 
-from evals.harness.compare import compare, read_samples
-from evals.harness.utils import contains_answer, process_results
+from kvserve.evals.harness.compare import compare, read_samples
+from kvserve.evals.harness.utils import contains_answer, process_results
 
 
 def test_an_answer_counts_when_it_appears_as_whole_words():

@@ -1,5 +1,6 @@
-"""Long-context recall samples (evals/recall_tasks.py, evals/haystack.py) and their scoring
-(evals/scoring.py), with the real SmolLM2 tokenizer (local, never downloaded)."""
+"""Long-context recall samples (kvserve/evals/recall_tasks.py, kvserve/evals/haystack.py) and their
+scoring
+(kvserve/evals/scoring.py), with the real SmolLM2 tokenizer (local, never downloaded)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ import uuid
 
 import pytest
 
-from evals.haystack import NOISE, ends_sentence, haystack_sentences, split_sentences
-from evals.recall_tasks import TASKS, RecallSample, build_sample
-from evals.scoring import (
+from kvserve.evals.haystack import NOISE, ends_sentence, haystack_sentences, split_sentences
+from kvserve.evals.recall_tasks import TASKS, RecallSample, build_sample
+from kvserve.evals.scoring import (
     TASK_METRICS,
     first_number,
     passkey_match,
@@ -23,9 +24,9 @@ from evals.scoring import (
     string_match_part,
     summarize_cell,
 )
-from evals.stats import Z_95, wilson_interval
-from workers.core.inputs import to_token_ids
-from workers.model_executor.loader import load_tokenizer
+from kvserve.evals.stats import Z_95, wilson_interval
+from kvserve.workers.core.inputs import to_token_ids
+from kvserve.workers.model_executor.loader import load_tokenizer
 
 NEEDLE = re.compile(
     r"The pass key is (?P<pk>\d+)\. Remember it\. (?P=pk) is the pass key\."
@@ -358,7 +359,7 @@ def test_summarize_cell():
 
 
 def _wilson_roots(k: float, n: int, z: float) -> tuple[float, float]:
-    """The Wilson interval written independently of `evals.stats`: the two roots in pi of
+    """The Wilson interval written independently of `kvserve.evals.stats`: the two roots in pi of
     (k/n - pi)^2 = z^2 pi (1 - pi) / n, a quadratic a pi^2 + b pi + c = 0."""
     p, zz = k / n, z * z / n
     a, b, c = 1 + zz, -(2 * p + zz), p * p

@@ -16,7 +16,7 @@ from tests.serving import APP, DEFAULT_APP, serve_locally
 
 USES_SHARED_RAY = "0"  # tests/serving.py: run with the modules of this group
 
-# as the committed study runs (evals/reports/README.md): prefix caching on, so later samples
+# as the committed study runs (kvserve/evals/reports/README.md): prefix caching on, so later samples
 # reuse the haystack KV of earlier ones, and a per-length sample count; at short lengths (128
 # and 256 tokens: the same plumbing at half the prefill of 256 and 512)
 RECALL_ARGS = ["eval", "recall", "--tasks", "passkey", "--lengths", "128,256", "--depths",
@@ -76,7 +76,7 @@ def test_recall_scores_are_the_fractions_of_answers_that_hold_the_pass_key(recal
 
 
 def test_recall_answers_equal_transformers_greedy(recall_run, hf_model, real_engine):
-    from evals.recall_tasks import build_sample
+    from kvserve.evals.recall_tasks import build_sample
 
     assert len(recall_run) == sum(SAMPLES.values())
     for r in recall_run:
@@ -90,7 +90,7 @@ def test_recall_answers_equal_transformers_greedy(recall_run, hf_model, real_eng
 
 def test_the_crosscheck_finds_the_engine_equal_to_transformers_and_a_changed_answer_not(
         recall_out, recall_run, hf_model, real_engine):
-    from evals.crosscheck import compare
+    from kvserve.evals.crosscheck import compare
 
     (check,) = records(recall_out, "crosscheck.jsonl")
     assert check["equal"] and check["length"] == 256 and check["depth"] == 50
@@ -98,7 +98,7 @@ def test_the_crosscheck_finds_the_engine_equal_to_transformers_and_a_changed_ans
     assert check["engine_tokens"] == check["transformers_tokens"] == record["response_token_ids"]
     assert "1 of 1 answers token-identical" in (recall_out / "report.md").read_text()
     # negative control: the same prompt against an answer with its second token changed
-    from evals.recall_tasks import build_sample
+    from kvserve.evals.recall_tasks import build_sample
 
     sample = build_sample("passkey", real_engine.tokenizer, 256, 50, 0, 0)
     changed = dict(record, response_token_ids=[record["response_token_ids"][0], 0,
@@ -123,8 +123,8 @@ def test_factuality_answers_equal_transformers_greedy(suite, samples, tmp_path, 
     for name in ("results.json", "samples.jsonl", f"results_{suite}.csv",
                  "error_rate_by_setting.png", "report.md"):
         assert (tmp_path / name).stat().st_size > 0, name
-    from evals.factuality import closed_book, grounded
-    from evals.factuality.run import MAX_TOKENS
+    from kvserve.evals.factuality import closed_book, grounded
+    from kvserve.evals.factuality.run import MAX_TOKENS
 
     dataset = {item.id: item for item in closed_book.load_dataset()}
     got = records(tmp_path)

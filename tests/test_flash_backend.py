@@ -9,23 +9,23 @@ import json
 import pytest
 import torch
 
-from tests.helpers import assert_engine_idle, output_ids
-from workers.config import EngineConfig
-from workers.engine import LLMEngine
-from workers.model_executor.attention.flash_backend import (
+from kvserve.workers.config import EngineConfig
+from kvserve.workers.engine import LLMEngine
+from kvserve.workers.model_executor.attention.flash_backend import (
     PROVIDERS,
     FlashAttention,
     default_provider_name,
     make_provider,
     provider_missing,
 )
-from workers.model_executor.attention.flash_checks import (
+from kvserve.workers.model_executor.attention.flash_checks import (
     compare_with_reference,
     probe_batch_invariance,
     probe_block_sizes,
     use_backend,
 )
-from workers.model_executor.tiny import synthetic_tokenizer, tiny_checkpoint
+from kvserve.workers.model_executor.tiny import synthetic_tokenizer, tiny_checkpoint
+from tests.helpers import assert_engine_idle, output_ids
 
 pytestmark = [
     pytest.mark.gpu,

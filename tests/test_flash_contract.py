@@ -15,11 +15,10 @@ import json
 import pytest
 import torch
 
-from tests.helpers import assert_engine_idle, output_ids
-from workers.engine import _resolve_block_size
-from workers.model_executor.attention import TorchAttention, resolve_backend_name
-from workers.model_executor.attention import flash_reference as ref
-from workers.model_executor.attention.flash_backend import (
+from kvserve.workers.engine import _resolve_block_size
+from kvserve.workers.model_executor.attention import TorchAttention, resolve_backend_name
+from kvserve.workers.model_executor.attention import flash_reference as ref
+from kvserve.workers.model_executor.attention.flash_backend import (
     FLASH_ATTN,
     FLASH_BLOCK_MULTIPLE,
     PROVIDERS,
@@ -30,7 +29,7 @@ from workers.model_executor.attention.flash_backend import (
     default_provider_name,
     required_block_multiple,
 )
-from workers.model_executor.attention.flash_checks import (
+from kvserve.workers.model_executor.attention.flash_checks import (
     compare_with_reference,
     probe_batch_invariance,
     probe_block_sizes,
@@ -39,6 +38,7 @@ from workers.model_executor.attention.flash_checks import (
     run_all,
     use_backend,
 )
+from tests.helpers import assert_engine_idle, output_ids
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -404,7 +404,7 @@ def test_without_a_provider_the_backend_names_what_is_missing():
 def test_auto_on_cuda_prefers_flash_attn_then_triton_then_varlen_then_sdpa(monkeypatch):
     """flash-attn's own package first; else kvserve's triton kernels (any block size, CUDA
     graphs); else torch's varlen FlashAttention; SDPA (the torch backend) last."""
-    import workers.model_executor.attention as attention
+    import kvserve.workers.model_executor.attention as attention
 
     cuda = torch.device("cuda")
     installed = {FLASH_ATTN: True, "triton": True, TORCH_VARLEN: True}

@@ -171,7 +171,7 @@ def test_every_exactness_prompt_fits_each_models_context(make_plan):
     """The first H200 run (2026-12-04) lost the tiny Llama's exactness to its own plan: a
     511-token prompt + 32 new tokens past the tiny config's 512 positions, which the engine
     refuses (and transformers only warns about). Checked here, on the CPU, for both plans."""
-    from workers.model_executor.tiny import tiny_config
+    from kvserve.workers.model_executor.tiny import tiny_config
 
     plan = make_plan()
     longest = max(plan.exact_prompt_lens) + plan.exact_new_tokens
@@ -190,7 +190,7 @@ def test_the_generate_batch_config_takes_the_installed_transformers_names(monkey
     import transformers
 
     from kvserve.bench.baselines import CB_PAGE_SIZE, cb_config_for
-    from workers.model_executor.tiny import tiny_config
+    from kvserve.workers.model_executor.tiny import tiny_config
 
     class Old:  # 5.17's parameters, those this code sets
         def __init__(self, block_size=256, num_blocks=None, max_batch_tokens=None,
@@ -214,6 +214,8 @@ def test_the_gpu_plan_runs_the_triton_tests_and_every_backend_with_and_without_g
     files, _ = gpu_check.gpu_test_files(markers=("gpu", "triton"))
     assert {"tests/test_triton_ops.py", "tests/test_triton_attention.py",
             "tests/test_cuda_graphs.py"} <= set(files)
+    assert gpu_check.unavailable_on_the_device("kvserve.cluster.app")
+    assert not gpu_check.unavailable_on_the_device("kvserve.workers.engine")
     assert plan.exact_backends == ("torch", "flash_attn", "triton", "triton_graphs")
     assert gpu_check.EXACT_BACKENDS["triton_graphs"] == ("triton", False)
     assert plan.bench_requests == (1, 32, 256)
@@ -223,7 +225,7 @@ def test_the_gpu_plan_runs_the_triton_tests_and_every_backend_with_and_without_g
 def test_a_triton_engine_with_graphs_on_a_cpu_runs_their_static_path():
     """The check's engine factory: on a CPU (the dry run) the graphs' static-buffer path is
     turned on eagerly, as on CUDA they are captured."""
-    from workers.model_executor.tiny import tiny_checkpoint
+    from kvserve.workers.model_executor.tiny import tiny_checkpoint
 
     ckpt = tiny_checkpoint("llama")
     engine = gpu_check.make_engine(ckpt, "cpu", "triton", False, kv_cache_memory=2**22,

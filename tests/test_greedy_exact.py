@@ -19,10 +19,10 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from kvserve.workers.config import EngineConfig
+from kvserve.workers.engine import LLMEngine
 from tests.helpers import assert_engine_idle, output_ids, solo_ids
 from tests.prompts import varied_prompts
-from workers.config import EngineConfig
-from workers.engine import LLMEngine
 
 NEW_TOKENS = 64
 NEAR_TIE = 1e-4  # a top-2 logprob gap below this, in transformers' logits, is a near-tie

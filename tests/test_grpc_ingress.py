@@ -12,9 +12,9 @@ import asyncio
 import grpc
 import pytest
 
-from cluster import grpc_ingress
-from cluster.auth import OPEN_GATE
-from cluster.grpc_ingress import _cancel_safe_factory, authenticated, cancel_safe
+from kvserve.cluster import grpc_ingress
+from kvserve.cluster.auth import OPEN_GATE
+from kvserve.cluster.grpc_ingress import _cancel_safe_factory, authenticated, cancel_safe
 
 
 class FakeReplicaRequest:
@@ -145,8 +145,8 @@ class FixedGates:
 def test_the_proxy_refuses_a_bad_key_before_forwarding_and_salts_by_tenant():
     """UNAUTHENTICATED without a valid key, RESOURCE_EXHAUSTED over a limit, the request never
     forwarded; a valid key's request is forwarded with its tenant as cache_salt."""
-    from cluster.auth import Gate, KeyRing, Tenant, load_key_ring
-    from cluster.tenant_limits import Refusal
+    from kvserve.cluster.auth import Gate, KeyRing, Tenant, load_key_ring
+    from kvserve.cluster.tenant_limits import Refusal
     from kvserve.v1 import generation_pb2 as pb
 
     forwarded: list = []

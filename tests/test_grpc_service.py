@@ -8,13 +8,13 @@ from pathlib import Path
 import grpc
 import pytest
 
-from cluster.service import GenerationService, add_to_server
+from kvserve.cluster.service import GenerationService, add_to_server
 from kvserve.protogen import ROOT, generate
 from kvserve.v1 import generation_pb2 as pb
 from kvserve.v1 import generation_pb2_grpc as pb_grpc
+from kvserve.workers.async_engine import AsyncLLMEngine
 from tests.helpers import assert_engine_idle, solo_ids
 from tests.otlp import CALLER_SPAN_ID, CALLER_TRACE_ID, CALLER_TRACEPARENT, otlp_receiver
-from workers.async_engine import AsyncLLMEngine
 
 
 def test_committed_stubs_equal_a_fresh_generation(tmp_path: Path):
@@ -156,7 +156,7 @@ def test_a_request_gets_its_timeline_when_it_asks_for_it(real_engine):
 
 
 def test_request_spans_reach_an_otlp_receiver_under_the_callers_trace(real_engine):
-    from cluster.tracing import RequestTracer
+    from kvserve.cluster.tracing import RequestTracer
 
     async def scenario(stub, core):
         params = pb.SamplingParams(temperature=0, max_tokens=3)

@@ -13,7 +13,7 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from cluster.metrics import KV_CACHE_METRIC_NAMES, METRIC_NAMES
+from kvserve.cluster.metrics import KV_CACHE_METRIC_NAMES, METRIC_NAMES
 
 INFRA = Path(__file__).resolve().parent.parent / "infra"
 EXPECTED_FILES = {
@@ -90,7 +90,7 @@ def test_serve_configs_validate_and_their_builders_accept_their_args(name, confi
     from ray.serve import Application
     from ray.serve.schema import ServeDeploySchema
 
-    from cluster.app import GRPC_SERVICER_FUNCTIONS, AppConfig
+    from kvserve.cluster.app import GRPC_SERVICER_FUNCTIONS, AppConfig
 
     schema = ServeDeploySchema.model_validate(config)
     assert schema.grpc_options.grpc_servicer_functions == GRPC_SERVICER_FUNCTIONS, name
@@ -112,8 +112,8 @@ def test_kvserve_up_reads_a_serve_config_and_applies_overrides():
 
 
 def test_gpu_serve_config_uses_a_host_tier_and_the_nodes_redis_url():
-    from cluster.app import AppConfig
-    from workers.config import parse_size
+    from kvserve.cluster.app import AppConfig
+    from kvserve.workers.config import parse_size
 
     args = yaml.safe_load((INFRA / "serve" / "gpu.yaml").read_text())["applications"][0]["args"]
     config = AppConfig.model_validate(args)
@@ -124,8 +124,8 @@ def test_gpu_serve_config_uses_a_host_tier_and_the_nodes_redis_url():
 def test_gpu_serve_config_serves_bf16_on_the_gpu_with_flash_attention_kernels_and_graphs():
     """auto: flash-attn's kernels where the package is installed, else kvserve's triton
     FlashAttention-2 kernels, whose decode steps replay CUDA graphs (enforce_eager false)."""
-    from cluster.app import AppConfig
-    from workers.config import EngineConfig
+    from kvserve.cluster.app import AppConfig
+    from kvserve.workers.config import EngineConfig
 
     args = yaml.safe_load((INFRA / "serve" / "gpu.yaml").read_text())["applications"][0]["args"]
     engine = EngineConfig(**AppConfig.model_validate(args).engine_config())
@@ -137,8 +137,8 @@ def test_gpu_serve_config_serves_bf16_on_the_gpu_with_flash_attention_kernels_an
 def test_gpu_serve_config_sends_a_replica_no_more_than_it_admits():
     """README ("Refused by the replica, or held by Serve"): with several replicas, Serve's
     max_ongoing_requests equals what a replica admits, so Serve routes around a full one."""
-    from cluster.app import AppConfig
-    from workers.config import EngineConfig
+    from kvserve.cluster.app import AppConfig
+    from kvserve.workers.config import EngineConfig
 
     args = yaml.safe_load((INFRA / "serve" / "gpu.yaml").read_text())["applications"][0]["args"]
     config = AppConfig.model_validate(args)
@@ -264,7 +264,7 @@ def _launcher() -> dict:
 
 
 def test_cluster_launcher_config_is_valid_for_ray():
-    from cluster.ray_compat import validate_cluster_launcher_config
+    from kvserve.cluster.ray_compat import validate_cluster_launcher_config
 
     validate_cluster_launcher_config(_launcher())
 
@@ -303,7 +303,7 @@ def test_cluster_launcher_installs_the_gpu_extra_and_shares_one_redis():
 
 
 def test_prometheus_reads_rays_service_discovery_file():
-    from cluster.ray_compat import prometheus_service_discovery_file
+    from kvserve.cluster.ray_compat import prometheus_service_discovery_file
 
     config = yaml.safe_load((INFRA / "monitoring" / "prometheus.yml").read_text())
     files = [f for job in config["scrape_configs"] for sd in job.get("file_sd_configs", [])

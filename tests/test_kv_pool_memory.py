@@ -15,12 +15,12 @@ import random
 import pytest
 import torch
 
-from workers.config import EngineConfig
-from workers.core.block_manager import BlockManager
-from workers.engine import LLMEngine
-from workers.model_executor.kv_cache import KVCacheSpec, allocate_kv_cache
-from workers.model_executor.model import CausalLM
-from workers.model_executor.tiny import tiny_checkpoint
+from kvserve.workers.config import EngineConfig
+from kvserve.workers.core.block_manager import BlockManager
+from kvserve.workers.engine import LLMEngine
+from kvserve.workers.model_executor.kv_cache import KVCacheSpec, allocate_kv_cache
+from kvserve.workers.model_executor.model import CausalLM
+from kvserve.workers.model_executor.tiny import tiny_checkpoint
 
 MiB = 1024**2
 # SmolLM2-135M's KV shape: 30 layers, 3 KV heads of 64

@@ -13,9 +13,14 @@ import time
 import pytest
 import torch
 
-from workers.core.kv_events import KVCopyPlan
-from workers.model_executor.kv_cache import KVCache, KVCacheSpec, allocate_kv_cache, copy_blocks
-from workers.model_executor.kv_transfer import KVCopier
+from kvserve.workers.core.kv_events import KVCopyPlan
+from kvserve.workers.model_executor.kv_cache import (
+    KVCache,
+    KVCacheSpec,
+    allocate_kv_cache,
+    copy_blocks,
+)
+from kvserve.workers.model_executor.kv_transfer import KVCopier
 
 SPEC = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype=torch.float32)
 DEVICE_BLOCKS, HOST_BLOCKS = 12, 10
@@ -115,7 +120,7 @@ def test_cpu_default_is_the_plain_path() -> None:
 
 
 def test_model_runner_owns_a_copier_and_delegates() -> None:
-    from workers.model_executor.model_runner import ModelRunner
+    from kvserve.workers.model_executor.model_runner import ModelRunner
 
     runner = ModelRunner(None, SPEC, 6, None, None, torch.device("cpu"), num_host_blocks=4)
     assert runner.copier.device_cache is runner.kv_cache
@@ -200,7 +205,7 @@ def test_staging_is_bounded_by_the_chunk_size() -> None:
 
 
 def test_chunk_size_comes_from_a_byte_budget() -> None:
-    from workers.model_executor.kv_transfer import STAGING_BYTES
+    from kvserve.workers.model_executor.kv_transfer import STAGING_BYTES
 
     copier = KVCopier(random_cache(2), random_cache(2))
     assert copier.chunk_blocks == STAGING_BYTES // SPEC.bytes_per_block
@@ -278,7 +283,7 @@ def read_refilled(device: KVCache, ids: list[int]) -> torch.Tensor:
 @pytest.mark.gpu
 @needs_cuda
 def test_cuda_host_tier_and_staging_are_pinned_and_copies_use_a_side_stream() -> None:
-    from workers.model_executor.model_runner import ModelRunner
+    from kvserve.workers.model_executor.model_runner import ModelRunner
 
     runner = ModelRunner(None, SPEC, DEVICE_BLOCKS, None, None, torch.device("cuda"),
                          num_host_blocks=HOST_BLOCKS)

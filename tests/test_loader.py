@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from workers.model_executor.loader import (
+from kvserve.workers.model_executor.loader import (
     DEFAULT_MODEL,
     LoadedCheckpoint,
     load_checkpoint,
@@ -41,9 +41,13 @@ def test_engines_built_from_one_checkpoint_share_its_model_and_only_theirs():
 
     import torch
 
-    from workers.config import EngineConfig
-    from workers.engine import LLMEngine
-    from workers.model_executor.tiny import synthetic_tokenizer, tiny_checkpoint, tiny_config
+    from kvserve.workers.config import EngineConfig
+    from kvserve.workers.engine import LLMEngine
+    from kvserve.workers.model_executor.tiny import (
+        synthetic_tokenizer,
+        tiny_checkpoint,
+        tiny_config,
+    )
 
     cfg = tiny_config("llama")
     tok = synthetic_tokenizer(cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
@@ -77,8 +81,8 @@ def test_building_an_engine_imports_no_model_code_of_transformers_nor_dynamo(mod
     import subprocess
     import sys
 
-    code = ("import sys; from workers.config import EngineConfig; "
-            "from workers.engine import LLMEngine; "
+    code = ("import sys; from kvserve.workers.config import EngineConfig; "
+            "from kvserve.workers.engine import LLMEngine; "
             "LLMEngine(EngineConfig(device='cpu', kv_cache_memory=16 * 1024**2)); "
             "print(sorted(m for m in ('torch._dynamo', 'transformers.masking_utils', "
             "'transformers.models.llama.modeling_llama') if m in sys.modules))")
@@ -98,8 +102,8 @@ def test_the_config_and_tokenizer_read_without_auto_classes_equal_theirs(model_d
     import torch
     from transformers import AutoConfig, AutoTokenizer
 
-    from workers.model_executor.loader import LLAMA_FIELDS, read_config, read_tokenizer
-    from workers.model_executor.rope import RotaryEmbedding
+    from kvserve.workers.model_executor.loader import LLAMA_FIELDS, read_config, read_tokenizer
+    from kvserve.workers.model_executor.rope import RotaryEmbedding
 
     auto, light = AutoConfig.from_pretrained(model_dir), read_config(model_dir)
     assert type(light) is not type(auto)  # the fast path was taken

@@ -154,8 +154,8 @@ def test_without_a_target_it_runs_and_takes_down_its_own_deployment_on_a_new_mac
     starts, serves the load, reports replica memory (a driver on its head's token), and is gone
     afterwards: no state file, no head temp dir, no embedded Redis directory (the Ray head's and
     the Redis processes go with them: tests/test_cli_up.py)."""
-    from cache_manager.actor import EMBEDDED_PREFIX
-    from cluster import local_head
+    from kvserve.cache_manager.actor import EMBEDDED_PREFIX
+    from kvserve.cluster import local_head
     from tests.test_cli_detached import new_user_env
 
     env = new_user_env(model_dir, tmp_path)
@@ -198,7 +198,7 @@ def test_sigterm_to_its_process_group_while_it_deploys_leaves_nothing_behind(
     import signal
     import time
 
-    from cluster import local_head
+    from kvserve.cluster import local_head
     from tests.test_cli_detached import new_user_env
 
     env = new_user_env(model_dir, tmp_path)

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from cluster.memory_watch import MemorySample, MiB, memory_report, plot_memory, write_csv
 from kvserve.bench.common import percentile
 from kvserve.bench.loadtest import LoadtestConfig, LoadtestSummary, _latency_stats, summarize
 from kvserve.bench.loadtest_report import baseline_table, first_refusing, plot_baseline
 from kvserve.bench.serve import RequestTiming, RunResult
 from kvserve.cli.types import positive_ints, seconds
+from kvserve.cluster.memory_watch import MemorySample, MiB, memory_report, plot_memory, write_csv
 
 
 def test_memory_growth_counts_from_the_first_sample_after_warmup(tmp_path):
@@ -139,8 +139,8 @@ def test_the_watch_counts_replicas_and_the_load_plot_shows_them_with_users_and_r
         tmp_path):
     """Autoscaling's record (#21): the replica count each time the watch samples, the users and
     cumulative failures from Locust's history rows, and a plot of the three."""
-    from cluster.memory_watch import MemoryWatch
     from kvserve.bench.loadtest import _changes, format_summary, load_history, plot_load
+    from kvserve.cluster.memory_watch import MemoryWatch
 
     replies = iter([{"a": MiB}, {"a": MiB, "b": MiB}, {"a": MiB, "b": 0, "c": MiB}])
     watch = MemoryWatch(lambda: next(replies), interval_s=3600)

@@ -1,4 +1,4 @@
-"""The Ray head kvserve starts (cluster/local_head.py): its own auth token, never
+"""The Ray head kvserve starts (kvserve/cluster/local_head.py): its own auth token, never
 ~/.ray/auth_token; tied to its owner when asked (`kvserve up` in the foreground, `kvserve
 loadtest`), so that even a SIGKILL of the owner takes it down; and a record of a head that is
 gone is forgotten with its temp dir."""
@@ -15,14 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from cluster import local_head
+from kvserve.cluster import local_head
 from tests.helpers import poll
 
 pytestmark = pytest.mark.ray  # starts Ray, so also slow (tests/conftest.py)
 
 OWNER_SCRIPT = textwrap.dedent("""
     import json, sys, time
-    from cluster import local_head
+    from kvserve.cluster import local_head
     state = local_head.start_head(1, fate_share=sys.argv[1] == "1", dashboard=False)
     print(json.dumps({"pid": state.head_pid, "temp_dir": state.temp_dir, "env": state.env,
                       "address": state.address}), flush=True)
@@ -81,7 +81,7 @@ def test_a_driver_keeps_the_sigterm_handler_it_had(tmp_path):
     once): connect_driver / disconnect_driver keep kvserve's, so SIGTERM still cleans up."""
     script = textwrap.dedent("""
         import os, signal, time
-        from cluster import local_head
+        from kvserve.cluster import local_head
         from kvserve.process import sigterm_as_interrupt
         state = local_head.start_head(1, fate_share=True, dashboard=False)
         for stage in ("connected", "disconnected"):
@@ -150,8 +150,8 @@ def test_free_port_never_hands_out_a_port_already_taken(monkeypatch):
 def test_rays_head_never_listens_on_the_ports_serve_will_bind(monkeypatch, tmp_path):
     """A CI run's `kvserve up --grpc-port P` started a Ray head whose GCS drew P too: Serve's
     gRPC proxy then failed to bind. `start` hands its ports to the head as taken."""
-    from cluster.app import AppConfig
     from kvserve.cli import launch
+    from kvserve.cluster.app import AppConfig
 
     draws(monkeypatch, 51221, 51221, 40001, 40002, 40003, 40004)
     started: list[list[str]] = []
@@ -184,7 +184,7 @@ def test_a_gpu_config_runs_on_the_cpu_only_on_kvserves_logical_gpus():
     become the CPU, the CPU kernels and 512 MiB, and the replica is told what changed. Negative
     controls: a real GPU, no GPU assigned, or GPUs kvserve did not declare (a node with a
     broken driver) leave the config alone, and the engine then fails loudly on CUDA."""
-    from cluster.deployment import LOGICAL_GPU_HOST_TIER, on_logical_gpus
+    from kvserve.cluster.deployment import LOGICAL_GPU_HOST_TIER, on_logical_gpus
 
     gpu = {"device": "cuda", "attention_backend": "flash_attn", "dtype": "bfloat16",
            "cpu_offload_memory": "16GiB", "kv_cache_memory": None}

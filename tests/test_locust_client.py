@@ -13,7 +13,7 @@ from pathlib import Path
 
 import grpc
 
-from cluster.local_head import free_port
+from kvserve.cluster.local_head import free_port
 from kvserve.v1 import generation_pb2 as pb
 from kvserve.v1 import generation_pb2_grpc as pb_grpc
 

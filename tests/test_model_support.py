@@ -14,12 +14,12 @@ from typing import Any
 import pytest
 import torch
 
+from kvserve.workers.config import EngineConfig
+from kvserve.workers.core.outputs import TokenLogprobs
+from kvserve.workers.engine import LLMEngine
+from kvserve.workers.model_executor.loader import LoadedCheckpoint
+from kvserve.workers.model_executor.tiny import tiny_checkpoint
 from tests.helpers import assert_engine_idle, output_ids
-from workers.config import EngineConfig
-from workers.core.outputs import TokenLogprobs
-from workers.engine import LLMEngine
-from workers.model_executor.loader import LoadedCheckpoint
-from workers.model_executor.tiny import tiny_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -33,8 +33,8 @@ from typing import Any
 import grpc
 import pytest
 
-from cluster import local_head
-from cluster.ray_compat import QUIET_SERVE_ENV
+from kvserve.cluster import local_head
+from kvserve.cluster.ray_compat import QUIET_SERVE_ENV
 from kvserve.v1 import generation_pb2 as pb
 from kvserve.v1 import generation_pb2_grpc as pb_grpc
 from tests.helpers import poll
@@ -58,9 +58,9 @@ DRIVER = """
 import json, sys
 import ray
 from ray import serve
-from cache_manager import actor as cache_manager
-from cluster import local_head, ray_compat
-from cluster.cache_check import find_problems
+from kvserve.cache_manager import actor as cache_manager
+from kvserve.cluster import local_head, ray_compat
+from kvserve.cluster.cache_check import find_problems
 from kvserve.cli.status import collect_status
 local_head.connect_driver(sys.argv[1], logging_level="ERROR")
 key = cache_manager.deployment_key("kvserve", "Generation")
@@ -212,7 +212,7 @@ import time; time.sleep(3)  # the log monitor publishes what it reads every ~0.1
 
 def test_a_driver_gets_each_line_its_workers_print_once_from_every_node(sim: SimCluster):
     """The nodes share the head's session directory on this machine, so only the head runs a
-    log monitor (cluster/local_head.start_worker_nodes). Negative control, measured by hand
+    log monitor (kvserve/cluster/local_head.start_worker_nodes). Negative control, measured by hand
     (2026-12-04): with a monitor on every node, each line reached the driver three times."""
     out = subprocess.run([sys.executable, "-c", PRINTING_DRIVER, sim.state.address],
                          capture_output=True, text=True, timeout=120,
@@ -408,7 +408,7 @@ def test_the_serve_yamls_deploy_onto_the_cluster_unchanged_but_for_the_model(
     default), then gpu.yaml's with only the model replaced (Llama-3-8B is not here), rolled onto
     the running cluster by `kvserve deploy`; their ports and proxy options are the running
     Serve instance's. gpu.yaml's replica takes a logical GPU and 4 CPUs, and runs its CUDA
-    settings on the CPU, saying what it gave up (cluster/deployment.py on_logical_gpus)."""
+    settings on the CPU, saying what it gave up (kvserve/cluster/deployment.py on_logical_gpus)."""
     before = {r["replica_id"] for r in sim.status()["replicas"]}
     deploy = sim.kvserve("deploy", "--config", str(INFRA_SERVE / "cpu.yaml"))
     assert deploy.returncode == 0, deploy.stdout + deploy.stderr

@@ -8,15 +8,15 @@ import random
 import pytest
 import torch
 
+from kvserve.workers.core.host_block_pool import HostBlockPool
+from kvserve.workers.core.kv_events import KVEvents
+from kvserve.workers.engine import LLMEngine
 from tests.helpers import assert_engine_idle, solo_ids, solo_ids_each
 from tests.test_prefix_caching import (
     check_cache_ledger,
     drive_random_traffic,
     shared_prefix_requests,
 )
-from workers.core.host_block_pool import HostBlockPool
-from workers.core.kv_events import KVEvents
-from workers.engine import LLMEngine
 
 # -- HostBlockPool units --------------------------------------------------------------------
 
@@ -119,7 +119,7 @@ def test_cudas_staged_copies_keep_every_output(chunk_blocks, max_slots, slow_dma
                                                one_torch_thread):
     """The algorithm the engine runs on CUDA (`KVCopier` staged: chunked, device->host
     scatters deferred to a later step), here with no-op streams and events on CPU."""
-    from workers.model_executor.kv_transfer import KVCopier
+    from kvserve.workers.model_executor.kv_transfer import KVCopier
 
     plain, engine = tiny_engines_with_host_tier(make_tiny_engine)
     runner = engine.runner
@@ -169,7 +169,7 @@ def long_prompt(i: int, sentences: int = 14) -> str:
 
 def real_engine_with(checkpoint, **cfg) -> LLMEngine:
     """The real model with other settings, on the session's loaded checkpoint."""
-    from workers.config import EngineConfig
+    from kvserve.workers.config import EngineConfig
 
     return LLMEngine(EngineConfig(device="cpu", **cfg), checkpoint=checkpoint)
 

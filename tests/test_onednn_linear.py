@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from workers.model_executor.model import Linear, onednn_available, padded_rows
+from kvserve.workers.model_executor.model import Linear, onednn_available, padded_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="oneDNN linear not in this torch")
 
 GROWTH = """
 import sys, psutil, torch
-from workers.model_executor.model import Linear
+from kvserve.workers.model_executor.model import Linear
 torch.set_num_threads(1)
 lin = Linear(576, 3072, bias=False)
 lin.pack_for_onednn()

@@ -18,16 +18,16 @@ import openai
 import pytest
 import uvicorn
 
-from cluster.auth import OPEN_GATE, Gate, load_key_ring
-from cluster.local_head import free_port
-from cluster.openai.http import build_openai_app
-from cluster.openai.serving import OpenAIServing
-from cluster.tenant_limits import TenantLimiter
+from kvserve.cluster.auth import OPEN_GATE, Gate, load_key_ring
+from kvserve.cluster.local_head import free_port
+from kvserve.cluster.openai.http import build_openai_app
+from kvserve.cluster.openai.serving import OpenAIServing
+from kvserve.cluster.tenant_limits import TenantLimiter
+from kvserve.workers.async_engine import AsyncLLMEngine
+from kvserve.workers.config import EngineConfig
+from kvserve.workers.engine import LLMEngine
 from tests.helpers import assert_engine_idle, poll, solo_ids
 from tests.otlp import CALLER_SPAN_ID, CALLER_TRACE_ID, CALLER_TRACEPARENT, otlp_receiver
-from workers.async_engine import AsyncLLMEngine
-from workers.config import EngineConfig
-from workers.engine import LLMEngine
 
 MESSAGES = [{"role": "user", "content": "Name three colours of the rainbow."}]
 PROMPT = "The three primary colours are"
@@ -354,7 +354,7 @@ def test_a_replica_that_cannot_serve_answers_503_in_openais_shape(make_tiny_engi
     generation endpoints answer 503 `service_unavailable_error`, not 500."""
     import asyncio
 
-    from cluster.openai.protocol import CompletionRequest, OpenAIError
+    from kvserve.cluster.openai.protocol import CompletionRequest, OpenAIError
 
     core = AsyncLLMEngine(make_tiny_engine())
     serving = OpenAIServing(core, served_model_name="tiny")
@@ -374,7 +374,7 @@ def test_a_replica_that_cannot_serve_answers_503_in_openais_shape(make_tiny_engi
 
 
 def test_an_http_callers_traceparent_is_the_parent_of_its_request_spans(real_engine):
-    from cluster.tracing import RequestTracer
+    from kvserve.cluster.tracing import RequestTracer
 
     with otlp_receiver() as receiver:
         tracer = RequestTracer(receiver.endpoint)

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from kvserve.workers.config import EngineConfig
+from kvserve.workers.engine import LLMEngine
 from tests.helpers import assert_engine_idle, output_ids, solo_ids, solo_ids_each
-from workers.config import EngineConfig
-from workers.engine import LLMEngine
 
 SYSTEM = ("You are a meticulous assistant for a logistics company. Answer briefly, cite the "
           "relevant rule number, and never invent data. Rules: 1. Parcels over 30 kg ship as "
@@ -159,7 +159,7 @@ def test_the_kv_reporter_reports_what_the_engine_holds(make_tiny_engine, one_tor
     """The cluster's KV reporter reads the engine only through its public surface
     (`cached_block_hashes`, `request_blocks`, the KV events): a live request's blocks and the
     full blocks its prompt filled are in the report, and nothing of it once it finished."""
-    from cluster.kv_reporter import KVReporter
+    from kvserve.cluster.kv_reporter import KVReporter
 
     engine = make_tiny_engine(enable_prefix_caching=True, block_size=4, num_kv_blocks=32)
     reporter = KVReporter(engine, manager=None, replica_id="r")  # no manager: never sends

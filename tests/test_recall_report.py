@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from evals.recall import (
+from kvserve.cli import build_parser
+from kvserve.cli.eval import recall_config
+from kvserve.evals.recall import (
     MAIN_METRIC,
     build_all,
     format_cells,
@@ -13,9 +15,7 @@ from evals.recall import (
     format_timing,
     separations,
 )
-from kvserve.cli import build_parser
-from kvserve.cli.eval import recall_config
-from workers.model_executor.loader import load_tokenizer
+from kvserve.workers.model_executor.loader import load_tokenizer
 
 
 def _config(*argv: str):
@@ -100,13 +100,13 @@ def test_the_cell_table_shows_counts_and_intervals_and_the_time_table_sums():
 def test_report_only_reports_the_logged_samples_and_answers_nothing(tmp_path, monkeypatch):
     import json
 
-    import evals.recall
-    from evals.recall import run_recall, sample_key
+    import kvserve.evals.recall
+    from kvserve.evals.recall import run_recall, sample_key
 
     def no_engine(*args, **kwargs):
         raise AssertionError("report-only must not load a model")
 
-    monkeypatch.setattr(evals.recall, "make_generator", no_engine)
+    monkeypatch.setattr(kvserve.evals.recall, "make_generator", no_engine)
     argv = ("--tasks", "passkey", "--lengths", "1k", "--depths", "0,50", "--samples", "1",
             "--out", str(tmp_path))
     cfg = _config(*argv, "--report-only")

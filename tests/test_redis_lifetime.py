@@ -14,14 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from cache_manager.redis_server import OWNER_FILE, owner_alive, remove_stale, start_embedded
+from kvserve.cache_manager.redis_server import OWNER_FILE, owner_alive, remove_stale, start_embedded
 from kvserve.process import pid_alive, pids_with
 from tests.helpers import poll
 
 OWNER_SCRIPT = textwrap.dedent("""
     import sys, time
     from pathlib import Path
-    from cache_manager.redis_server import start_embedded
+    from kvserve.cache_manager.redis_server import start_embedded
     handle = start_embedded(Path(sys.argv[1]))
     print(handle._process.pid, flush=True)
     time.sleep(600)
@@ -76,7 +76,7 @@ def _stale_server(data_dir: Path) -> int:
     data_dir.mkdir(parents=True, exist_ok=True)
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True)
-    from cache_manager.redis_server import _redis_executable
+    from kvserve.cache_manager.redis_server import _redis_executable
 
     server = subprocess.Popen(
         [_redis_executable(), "--port", "0", "--unixsocket", str(data_dir / "redis.sock"),

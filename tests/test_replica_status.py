@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import json
 
-from cluster import local_head
-from cluster.replica_status import (
+from kvserve.cli.status import format_status
+from kvserve.cluster import local_head
+from kvserve.cluster.replica_status import (
     STALE_AFTER_S,
     ReplicaStatus,
     StatusPublisher,
     current_rows,
     parse_rows,
 )
-from kvserve.cli.status import format_status
 
 
 def row(replica_id: str = "r1", updated_at: float = 1000.0, **kw) -> ReplicaStatus:
@@ -76,8 +76,8 @@ def test_publisher_snapshot_becomes_a_row():
 def test_publisher_carries_the_engines_kv_pool_bytes_apart_for_the_soak():
     """An engine's `EngineLoad` carries the KV pool's pages in RAM; the row keeps them apart
     from the RSS, and the soak's watch takes them out of it."""
-    from cluster.memory_watch import watched_bytes
-    from workers.engine import EngineLoad
+    from kvserve.cluster.memory_watch import watched_bytes
+    from kvserve.workers.engine import EngineLoad
 
     pub = StatusPublisher(lambda: EngineLoad(1, 0, 0.5, 48 * 1024**2), replica_id="abc",
                           node_ip="1.2.3.4")
@@ -90,7 +90,7 @@ def test_publisher_survives_a_failing_store_warning_once_then_publishes_again(mo
                                                                               caplog):
     """Status is best effort: a failing store never raises into the replica, warns once (not
     once per interval), and the next publish after the store is back writes the row."""
-    import cluster.replica_status as rs
+    import kvserve.cluster.replica_status as rs
 
     stored: list[ReplicaStatus] = []
     attempts = []

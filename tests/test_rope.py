@@ -15,19 +15,19 @@ from typing import Any
 import pytest
 import torch
 
-from evals.rope_variants import parse_rope_variant
+from kvserve.evals.rope_variants import parse_rope_variant
+from kvserve.workers.config import EngineConfig
+from kvserve.workers.engine import LLMEngine
+from kvserve.workers.model_executor.loader import LoadedCheckpoint
+from kvserve.workers.model_executor.rope import RopeSpan
+from kvserve.workers.model_executor.tiny import tiny_checkpoint, tiny_config
 from tests.helpers import assert_engine_idle, output_ids
-from workers.config import EngineConfig
-from workers.engine import LLMEngine
-from workers.model_executor.loader import LoadedCheckpoint
-from workers.model_executor.rope import RopeSpan
-from workers.model_executor.tiny import tiny_checkpoint, tiny_config
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 TRAINED_LEN = 512  # tiny_config's max_position_embeddings
 MAX_MODEL_LEN = 1024
-# as `kvserve eval recall --rope ...` builds them (evals/rope_variants.py)
+# as `kvserve eval recall --rope ...` builds them (kvserve/evals/rope_variants.py)
 VARIANTS: dict[str, dict[str, Any]] = {
     "none": {"rope_type": "none"},
     "linear": parse_rope_variant("linear:2").rope_parameters,

@@ -9,7 +9,7 @@ llama3's original length), and transformers' `generate()` stays a few seconds.
 The engine prefills the prompt in four 128-token chunks, as a serving engine does; transformers
 runs it as one forward call. Greedy tokens must be equal (a difference only at a proven near-tie,
 where the reference's top two logprobs are within `NEAR_TIE`), and the logprobs close. Before
-the engine rotated every prompt token for the whole prompt's length (workers/model_executor/
+the engine rotated every prompt token for the whole prompt's length (kvserve/workers/model_executor/
 rope.py), dynamic NTK failed here: its first chunks kept the unscaled base. (At these lengths,
 2026-12-04: rotating each chunk's prompt tokens for the length the prompt had reached instead
 fails dynamic:2 and longrope:2.)
@@ -24,12 +24,12 @@ from typing import Any
 import pytest
 import torch
 
-from evals.recall_tasks import build_sample
-from evals.rope_variants import parse_rope_variant
+from kvserve.evals.recall_tasks import build_sample
+from kvserve.evals.rope_variants import parse_rope_variant
+from kvserve.workers.config import EngineConfig
+from kvserve.workers.engine import LLMEngine
+from kvserve.workers.model_executor.loader import LoadedCheckpoint, override_rope
 from tests.helpers import assert_engine_idle, output_ids
-from workers.config import EngineConfig
-from workers.engine import LLMEngine
-from workers.model_executor.loader import LoadedCheckpoint, override_rope
 
 SHORT_TRAINED = 256
 PROMPT_LEN = 512

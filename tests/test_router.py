@@ -1,4 +1,5 @@
-"""The cache-aware request router (cluster/router.py): the ranking rule, prompt -> block hashes
+"""The cache-aware request router (kvserve/cluster/router.py): the ranking rule, prompt -> block
+hashes
 as the engine computes them, and Serve's routing loop driving the router over fake replicas and
 a fake cache manager, including a missing, slow or dying manager. No Ray cluster is started."""
 
@@ -20,15 +21,15 @@ import pytest
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, ReplicaID
 
-import cluster.router as router_mod
-from cluster.ray_compat import (
+import kvserve.cluster.router as router_mod
+from kvserve.cluster.ray_compat import (
     deployment_id,
     grpc_request,
     new_request_router,
     request_metadata,
     route_request,
 )
-from cluster.router import (
+from kvserve.cluster.router import (
     CacheAwareRouter,
     block_hashes_hex,
     choose_replica_ids,
@@ -37,8 +38,8 @@ from cluster.router import (
     request_router_config,
 )
 from kvserve.v1 import generation_pb2 as pb
-from workers.core.inputs import to_token_ids
-from workers.core.prefix_hash import block_hash
+from kvserve.workers.core.inputs import to_token_ids
+from kvserve.workers.core.prefix_hash import block_hash
 
 BS = 4  # block size in the fake cluster
 DEPLOYMENT = deployment_id("default", "Generation")
@@ -72,7 +73,7 @@ def test_a_holder_that_admits_no_more_loses_however_small_the_imbalance():
 
 
 def test_the_deployment_tells_the_router_what_a_replica_admits():
-    from cluster.app import AppConfig, routing
+    from kvserve.cluster.app import AppConfig, routing
 
     def capacity(**engine) -> int:
         return routing(AppConfig(**engine)).request_router_kwargs["replica_capacity"]
@@ -143,7 +144,7 @@ def tokenizer():
     """The engine's tokenizer for the default model, loaded as `load_checkpoint` loads it."""
     from transformers import AutoTokenizer
 
-    from workers.model_executor.loader import resolve_model_dir
+    from kvserve.workers.model_executor.loader import resolve_model_dir
 
     return AutoTokenizer.from_pretrained(resolve_model_dir(None))
 
@@ -601,7 +602,7 @@ def test_a_proxys_router_loads_the_tokenizer_from_its_creation_others_at_the_fir
 
 def test_the_config_carries_the_router_class_and_options():
     config = request_router_config("my-model", imbalance_threshold=3)
-    assert config.request_router_class == "cluster.router.CacheAwareRouter"
+    assert config.request_router_class == "kvserve.cluster.router.CacheAwareRouter"
     assert config.request_router_kwargs["model"] == "my-model"
     assert config.request_router_kwargs["imbalance_threshold"] == 3
     assert config.get_request_router_class() is CacheAwareRouter

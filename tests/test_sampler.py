@@ -16,12 +16,12 @@ from typing import Any
 import pytest
 import torch
 
+from kvserve.workers.core.outputs import TokenLogprobs
+from kvserve.workers.core.sampling_params import GREEDY_BELOW, SamplingParams
+from kvserve.workers.core.sequence import Sequence
+from kvserve.workers.errors import InvalidRequestError
+from kvserve.workers.model_executor.sampler import _draw, sample, sampling_probs
 from tests.helpers import HostTraffic
-from workers.core.outputs import TokenLogprobs
-from workers.core.sampling_params import GREEDY_BELOW, SamplingParams
-from workers.core.sequence import Sequence
-from workers.errors import InvalidRequestError
-from workers.model_executor.sampler import _draw, sample, sampling_probs
 
 NEG_INF = float("-inf")
 

@@ -13,8 +13,8 @@ import openai
 import pytest
 from pydantic import ValidationError
 
-from cluster.app import AppConfig
-from cluster.client import Client
+from kvserve.cluster.app import AppConfig
+from kvserve.cluster.client import Client
 from kvserve.v1 import generation_pb2 as pb
 from tests.helpers import poll, solo_ids_each
 from tests.serving import Served, serve_locally
@@ -95,7 +95,7 @@ def test_serve_runs_the_deployment_with_the_app_configs_shutdown_settings(served
     """What `build_app` passes reaches Serve's controller. A stopping replica sleeps
     `graceful_shutdown_wait_loop_s` before it first looks for open streams: with Serve's default
     (2 s) every replica stop, idle or not, took 2 s (each rollout, scale-in and `kvserve down`)."""
-    from cluster import ray_compat
+    from kvserve.cluster import ray_compat
 
     apps = ray_compat.serve_details()["applications"]
     config = apps[served.app]["deployments"]["Generation"]["deployment_config"]
@@ -111,7 +111,7 @@ def test_app_config_rejects_unknown_and_bad_fields():
 
 
 def test_app_config_engine_settings_reach_the_replicas_engine_config():
-    from workers.config import EngineConfig
+    from kvserve.workers.config import EngineConfig
 
     settings = {"dtype": "bfloat16", "device": "cuda:1", "attention_backend": "flash_attn",
                 "block_size": 512, "max_model_len": 4096, "gpu_memory_utilization": 0.8,
@@ -121,7 +121,7 @@ def test_app_config_engine_settings_reach_the_replicas_engine_config():
 
 
 def test_app_config_defaults_are_the_engines_but_for_the_pool_and_prefix_caching():
-    from workers.config import EngineConfig
+    from kvserve.workers.config import EngineConfig
 
     served = EngineConfig(**AppConfig().engine_config())
     assert served == EngineConfig(kv_cache_memory="1GiB", enable_prefix_caching=True)
@@ -148,7 +148,7 @@ def test_app_config_rejects_bad_engine_settings_naming_the_field(settings, field
 def test_async_client_streams_and_reports_errors(served):
     import asyncio
 
-    from cluster.client import AsyncClient
+    from kvserve.cluster.client import AsyncClient
 
     target = served.target
 
@@ -173,7 +173,7 @@ def _nonzero(families: dict[str, list[tuple[str, float]]], metric: str) -> bool:
 
 
 def test_prometheus_endpoint_exposes_every_metric_during_traffic(served):
-    from cluster.metrics import METRIC_NAMES
+    from kvserve.cluster.metrics import METRIC_NAMES
 
     stub = served.stub
     assert served.stream("Hi", max_tokens=3)[-1].finish_reason  # a finished request

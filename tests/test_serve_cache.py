@@ -19,9 +19,9 @@ import grpc
 import pytest
 import ray
 
-from cache_manager import actor as cache_manager
-from cache_manager.redis_server import start_embedded
-from cluster.cache_check import find_problems
+from kvserve.cache_manager import actor as cache_manager
+from kvserve.cache_manager.redis_server import start_embedded
+from kvserve.cluster.cache_check import find_problems
 from kvserve.v1 import generation_pb2 as pb
 from tests.helpers import poll, solo_ids_each
 from tests.serving import TWO_REPLICAS, Served, serve_locally
@@ -79,7 +79,7 @@ def cache_check(served) -> list[str]:
 def test_kv_cache_metrics_reach_prometheus_under_memory_pressure():
     """A device pool too small for the batch: requests are swapped to the host tier, cached
     prefixes demoted there and restored; every KV cache metric shows it."""
-    from cluster.metrics import KV_CACHE_METRIC_NAMES
+    from kvserve.cluster.metrics import KV_CACHE_METRIC_NAMES
     from tests.test_serve_app import _nonzero
 
     # 19-21 tokens each: one full, cacheable block of prompt; 6 x (prompt + 48) tokens need
@@ -293,7 +293,7 @@ def test_the_cache_manager_answers_a_router_while_it_writes_a_big_report():
     queued before it: while a report of 200k block hashes is written to Redis (hundreds of ms
     here), a match sent after it comes back first. Negative control: with one thread for
     every call (no concurrency groups, as before ci86's failure) the report finishes first."""
-    from cache_manager.index import ReplicaReport, ReplicaUsage
+    from kvserve.cache_manager.index import ReplicaReport, ReplicaUsage
 
     with serve_locally(TWO_REPLICAS, reuse=True):  # on the shared cluster; its app is not used
         name = f"routing-thread-{os.getpid()}-{time.monotonic_ns()}"

@@ -11,12 +11,12 @@ import types
 import grpc
 import pytest
 
-from cluster.deployment import ADMIN_ENV, GenerationDeployment, _warm_up
+from kvserve.cluster.deployment import ADMIN_ENV, GenerationDeployment, _warm_up
 from kvserve.v1 import generation_pb2 as pb
+from kvserve.workers.async_engine import AsyncLLMEngine
 from tests.helpers import poll
 from tests.serving import serve_locally
 from tests.test_serve_replica_kill import _replica_rows, _replica_states
-from workers.async_engine import AsyncLLMEngine
 
 pytestmark = pytest.mark.ray  # starts Ray, so also slow (tests/conftest.py)
 USES_SHARED_RAY = "4"  # tests/serving.py: run with the modules of this group

@@ -17,13 +17,13 @@ import numpy as np
 import pytest
 import torch
 
+from kvserve.workers.config import EngineConfig
+from kvserve.workers.core.ngram_proposer import LookupCeiling, NgramProposer, lookup_ceiling
+from kvserve.workers.engine import LLMEngine, _next_spec_len
+from kvserve.workers.model_executor import rejection_sampler
+from kvserve.workers.model_executor.rejection_sampler import Verified
+from kvserve.workers.model_executor.tiny import synthetic_tokenizer, tiny_checkpoint
 from tests.helpers import assert_engine_idle, output_ids
-from workers.config import EngineConfig
-from workers.core.ngram_proposer import LookupCeiling, NgramProposer, lookup_ceiling
-from workers.engine import LLMEngine, _next_spec_len
-from workers.model_executor import rejection_sampler
-from workers.model_executor.rejection_sampler import Verified
-from workers.model_executor.tiny import synthetic_tokenizer, tiny_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -261,7 +261,7 @@ def test_sampled_distributions_match_the_engine_without_speculation(make, settin
                                            len(c.drafts), len(c.drafts)) if c.drafts else v
                 for v, c in zip(verify(logits, chunks), chunks, strict=True)]
 
-    monkeypatch.setattr("workers.engine.sample_and_verify", accept_every_draft)
+    monkeypatch.setattr("kvserve.workers.engine.sample_and_verify", accept_every_draft)
     biased = make("noisy_draft", **DRAFT, num_speculative_tokens=2, enable_prefix_caching=True)
     wrong = _token_counts(biased, params, range(SEEDS))
     assert min(_chi_square_p(wrong[i], reference[i]) for i in (1, 2)) < 1e-3

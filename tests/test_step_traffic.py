@@ -13,10 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvserve.workers.model_executor.attention.flash_backend import FlashAttention
+from kvserve.workers.model_executor.attention.flash_checks import reference_provider, use_backend
+from kvserve.workers.model_executor.rope import RopeSpan
 from tests.helpers import HostTraffic
-from workers.model_executor.attention.flash_backend import FlashAttention
-from workers.model_executor.attention.flash_checks import reference_provider, use_backend
-from workers.model_executor.rope import RopeSpan
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -8,8 +8,8 @@ import json
 import pytest
 
 from kvserve.trace.chrome import TraceSource, chrome_trace, events_from_steps
+from kvserve.workers.core.timeline import EVENT_KINDS
 from tests.trace_format import trace_format_errors
-from workers.core.timeline import EVENT_KINDS
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

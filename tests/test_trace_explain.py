@@ -9,8 +9,8 @@ import pytest
 
 from kvserve.trace.explain import explain_request, format_explain
 from kvserve.trace.workload import TraceRequest
-from workers.config import EngineConfig
-from workers.engine import LLMEngine
+from kvserve.workers.config import EngineConfig
+from kvserve.workers.engine import LLMEngine
 
 pytestmark = pytest.mark.slow
 

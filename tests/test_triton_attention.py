@@ -1,4 +1,5 @@
-"""The triton attention backend's kernels (workers/model_executor/attention/triton_kernels.py)
+"""The triton attention backend's kernels
+(kvserve/workers/model_executor/attention/triton_kernels.py)
 against the torch backend's SDPA, on small shapes: without a GPU under Triton's interpreter
 (tests/conftest.py), on CUDA compiled. fp32 and fp16 everywhere, bf16 on CUDA only: the
 interpreter's bf16 tl.dot is wrong, so the bf16 tensor-core path is the device check's.
@@ -22,9 +23,9 @@ import torch
 pytest.importorskip("triton")
 pytestmark = pytest.mark.triton
 
-from workers.model_executor.attention import metadata as attention_metadata  # noqa: E402
-from workers.model_executor.attention import triton_kernels  # noqa: E402
-from workers.model_executor.attention.torch_backend import TorchAttention, write_kv  # noqa: E402
+from kvserve.workers.model_executor.attention import metadata as attention_metadata  # noqa: E402
+from kvserve.workers.model_executor.attention import triton_kernels  # noqa: E402
+from kvserve.workers.model_executor.attention.torch_backend import TorchAttention, write_kv  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOL = {torch.float32: 2e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}  # vs fp32 SDPA

@@ -1,4 +1,4 @@
-"""The fused Triton kernels of the GPU decode path (`workers/model_executor/triton_ops.py`)
+"""The fused Triton kernels of the GPU decode path (`kvserve/workers/model_executor/triton_ops.py`)
 against the torch reference they replace, in fp32, fp16 and bf16: without a GPU they run under
 Triton's interpreter. Each kernel has a negative control showing that its comparison would catch
 the mistake it guards against (a missing rounding step, a write of a padding row)."""
@@ -12,10 +12,10 @@ import torch.nn.functional as F
 pytest.importorskip("triton")  # (tests/conftest.py turns the interpreter on without a GPU)
 pytestmark = pytest.mark.triton
 
-from workers.model_executor import triton_ops  # noqa: E402
-from workers.model_executor.attention.torch_backend import write_kv  # noqa: E402
-from workers.model_executor.model import RMSNorm  # noqa: E402
-from workers.model_executor.rope import rotate  # noqa: E402
+from kvserve.workers.model_executor import triton_ops  # noqa: E402
+from kvserve.workers.model_executor.attention.torch_backend import write_kv  # noqa: E402
+from kvserve.workers.model_executor.model import RMSNorm  # noqa: E402
+from kvserve.workers.model_executor.rope import rotate  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from kvserve.bench.common import greedy_params
-from workers.engine import LLMEngine
+from kvserve.workers.engine import LLMEngine
 
 TOP_K = 5
 

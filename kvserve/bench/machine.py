@@ -21,7 +21,7 @@ import torch
 
 from kvserve.bench.baselines import measure_memory_bandwidth
 from kvserve.bench.linear import seconds_per_call
-from workers.model_executor.cpu_kernels import cpu_summary
+from kvserve.workers.model_executor.cpu_kernels import cpu_summary
 
 GEMM_N = 1024  # square: 2.1 GFLOP a call, large enough for every core, small enough to repeat
 

@@ -22,9 +22,9 @@ from typing import Any
 from tqdm import tqdm
 
 from kvserve.bench.common import greedy_params
-from workers.config import EngineConfig
-from workers.core.outputs import KVCacheStats
-from workers.engine import LLMEngine
+from kvserve.workers.config import EngineConfig
+from kvserve.workers.core.outputs import KVCacheStats
+from kvserve.workers.engine import LLMEngine
 
 SETTINGS = ("no_caching", "caching", "pressure_recompute", "pressure_host_tier")
 

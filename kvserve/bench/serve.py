@@ -6,8 +6,9 @@ At each concurrency level, `concurrency` streams are in flight at once (an async
 first through the service, then on an in-process `AsyncLLMEngine` built with the service's
 settings (model and context length from the ModelInfo RPC or /v1/models; the rest AppConfig's
 defaults), so the cost of Ray Serve + the protocol is a ratio. `protocol` "grpc" streams through
-Ray Serve's gRPC proxy (`cluster.client.AsyncClient`); "http" streams /v1/completions through
-Serve's HTTP proxy (`cluster.http_client.AsyncHTTPClient`, server-sent events, each chunk
+Ray Serve's gRPC proxy (`kvserve.cluster.client.AsyncClient`); "http" streams /v1/completions
+through
+Serve's HTTP proxy (`kvserve.cluster.http_client.AsyncHTTPClient`, server-sent events, each chunk
 carrying its token ids: vLLM's `return_token_ids`).
 
 Measured per request: TTFT, the time from sending the request to the first message carrying
@@ -32,13 +33,13 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from cluster.app import AppConfig
-from cluster.client import AsyncClient
-from cluster.http_client import AsyncHTTPClient
 from kvserve.bench.common import greedy_params, make_prompts, percentile
-from workers.async_engine import AsyncLLMEngine
-from workers.config import EngineConfig
-from workers.engine import LLMEngine
+from kvserve.cluster.app import AppConfig
+from kvserve.cluster.client import AsyncClient
+from kvserve.cluster.http_client import AsyncHTTPClient
+from kvserve.workers.async_engine import AsyncLLMEngine
+from kvserve.workers.config import EngineConfig
+from kvserve.workers.engine import LLMEngine
 
 # One request: its prompt ids in, the token ids of each streamed message out.
 StreamFn = Callable[[list[int]], AsyncIterator[Sequence[int]]]

@@ -28,14 +28,14 @@ from typing import Any
 
 from tqdm import tqdm
 
-from evals.factuality.grounded import make_table, prompt_for
 from kvserve.bench.baselines import weights_read_seconds
 from kvserve.bench.common import greedy_params
-from workers.config import EngineConfig
-from workers.core.ngram_proposer import LookupCeiling, lookup_ceiling
-from workers.core.outputs import SpecDecodeStats
-from workers.engine import LLMEngine
-from workers.model_executor.loader import load_checkpoint
+from kvserve.evals.factuality.grounded import make_table, prompt_for
+from kvserve.workers.config import EngineConfig
+from kvserve.workers.core.ngram_proposer import LookupCeiling, lookup_ceiling
+from kvserve.workers.core.outputs import SpecDecodeStats
+from kvserve.workers.engine import LLMEngine
+from kvserve.workers.model_executor.loader import load_checkpoint
 
 BATCH_SIZES = (1, 8)
 

@@ -29,10 +29,10 @@ from kvserve.bench.baselines import (
     weights_read_seconds,
 )
 from kvserve.bench.common import greedy_params, make_prompts, run_greedy
-from workers.config import EngineConfig
-from workers.engine import LLMEngine
-from workers.model_executor.cpu_kernels import cpu_summary
-from workers.model_executor.model import Linear
+from kvserve.workers.config import EngineConfig
+from kvserve.workers.engine import LLMEngine
+from kvserve.workers.model_executor.cpu_kernels import cpu_summary
+from kvserve.workers.model_executor.model import Linear
 
 
 def kvserve_throughput(

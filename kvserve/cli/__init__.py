@@ -3,7 +3,7 @@
 prepare.py (prepare), generate.py (generate), serve.py (up, down, status, cache; with
 launch.py and status.py), bench.py (bench throughput|prefix|serve), eval.py (eval
 recall|factuality), loadtest.py (loadtest), trace.py (trace). The engine flags are generated
-from workers.config (engine_args.py); the argparse value types are in types.py.
+from kvserve.workers.config (engine_args.py); the argparse value types are in types.py.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from kvserve.cli.loadtest import add_loadtest
 from kvserve.cli.prepare import add_prepare
 from kvserve.cli.serve import add_serve_commands
 from kvserve.cli.trace import add_trace
-from workers.errors import ModelNotFoundError
+from kvserve.workers.errors import ModelNotFoundError
 
 
 def main(argv: list[str] | None = None) -> int:

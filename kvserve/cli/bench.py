@@ -197,8 +197,8 @@ def _add_bench_serve(bench) -> None:
 def _run_bench_serve(args: argparse.Namespace) -> int:
     import grpc
 
-    from cluster.http_client import HTTPStatusError
     from kvserve.bench.serve import run_serve_bench, summarize
+    from kvserve.cluster.http_client import HTTPStatusError
 
     try:
         report = run_serve_bench(

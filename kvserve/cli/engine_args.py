@@ -1,4 +1,4 @@
-"""The engine flags, generated from `workers.config.EngineConfig`'s settings (as vLLM's
+"""The engine flags, generated from `kvserve.workers.config.EngineConfig`'s settings (as vLLM's
 EngineArgs.add_cli_args does), so every engine setting is a flag with the definition's type,
 default, choices and help, and nothing about a setting is written here by hand.
 
@@ -16,7 +16,7 @@ from collections.abc import Collection
 from typing import Any
 
 from kvserve.cli.types import RESET, json_object, memory_size, or_none
-from workers.config import (
+from kvserve.workers.config import (
     EngineConfig,
     EngineSetting,
     engine_settings,
@@ -37,14 +37,14 @@ def add_engine_args(parser: argparse.ArgumentParser, entry_point: str | None = N
                     overrides: bool = False, only: Collection[str] | None = None) -> None:
     """Add a flag per engine setting to `parser`, in an "engine" group.
 
-    `entry_point`: whose defaults (workers.config.ENTRY_POINT_DEFAULTS; None: the in-process
+    `entry_point`: whose defaults (kvserve.workers.config.ENTRY_POINT_DEFAULTS; None: the in-process
     engine's). `overrides`: every flag defaults to None, so only the flags given override a
     config file (`kvserve up --config`), and the word none gives `RESET` (set it to None).
     `only`: just these settings.
     """
     group = parser.add_argument_group(
-        "engine", "engine settings (workers.config.EngineConfig); an optional one also takes "
-                  "the word none")
+        "engine", "engine settings (kvserve.workers.config.EngineConfig); an optional one also "
+                  "takes the word none")
     defaults = entry_point_defaults(entry_point)
     for spec in engine_settings():
         if only is not None and spec.name not in only:

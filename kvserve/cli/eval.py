@@ -26,7 +26,7 @@ def _add_common(p: argparse.ArgumentParser, out: str, samples_help: str) -> None
     p.add_argument("--out", type=Path, default=Path(out),
                    help=f"output directory (default {out}); rerunning with it resumes")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
-    # the in-process engine's model and pool (eval's own default: workers.config)
+    # the in-process engine's model and pool (eval's own default: kvserve.workers.config)
     add_engine_args(p, "eval", only=("model", "kv_cache_memory", "enable_prefix_caching",
                                      "max_num_seqs"))
 
@@ -91,7 +91,7 @@ def _add_factuality(evals) -> None:
 
 
 def _run_recall(args: argparse.Namespace) -> int:
-    from evals.recall import run_recall
+    from kvserve.evals.recall import run_recall
 
     report = run_recall(recall_config(args), progress=not args.json)
     print(json.dumps({k: v for k, v in report.items() if k != "summary"}, indent=2)
@@ -100,9 +100,9 @@ def _run_recall(args: argparse.Namespace) -> int:
 
 
 def recall_config(args: argparse.Namespace):
-    """The parsed `kvserve eval recall` arguments as an `evals.recall.RecallConfig`."""
-    from evals.recall import RecallConfig
-    from evals.rope_variants import parse_rope_variant
+    """The parsed `kvserve eval recall` arguments as an `kvserve.evals.recall.RecallConfig`."""
+    from kvserve.evals.recall import RecallConfig
+    from kvserve.evals.rope_variants import parse_rope_variant
 
     haystack, name = args.haystack, args.haystack
     if haystack not in ("noise", "prose"):
@@ -123,7 +123,7 @@ def recall_config(args: argparse.Namespace):
 
 
 def _run_factuality(args: argparse.Namespace) -> int:
-    from evals.factuality.run import FactualityConfig, parse_sweep, run_factuality
+    from kvserve.evals.factuality.run import FactualityConfig, parse_sweep, run_factuality
 
     cfg = FactualityConfig(
         suites=args.suite, dataset=args.dataset, sweep=parse_sweep(args.sweep),

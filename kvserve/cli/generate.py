@@ -12,7 +12,7 @@ import sys
 from typing import Any
 
 from kvserve.cli.engine_args import add_engine_args, engine_config
-from workers.config import EngineConfig
+from kvserve.workers.config import EngineConfig
 
 
 def add_generate(sub) -> None:
@@ -46,7 +46,7 @@ def add_generate(sub) -> None:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-    from workers.errors import InvalidRequestError
+    from kvserve.workers.errors import InvalidRequestError
 
     params: dict[str, Any] = {
         "max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
@@ -59,7 +59,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     if args.target:
         return _generate_remote(args.target, prompt, params, args.json, args.api_key)
     config = engine_config(args)
-    from workers.model_executor.loader import resolve_model_dir
+    from kvserve.workers.model_executor.loader import resolve_model_dir
 
     resolve_model_dir(config.model)  # a missing model fails before the engine's imports (~3 s)
     try:
@@ -76,7 +76,7 @@ def _generate_remote(target: str, prompt: dict, params: dict, as_json: bool,
                      api_key: str | None = None) -> int:
     import grpc
 
-    from cluster.client import Client, finish_reason_name
+    from kvserve.cluster.client import Client, finish_reason_name
 
     params = {k: v for k, v in params.items() if v is not None and v != []}
     text, ids, last = [], [], None
@@ -109,7 +109,7 @@ def _generate_remote(target: str, prompt: dict, params: dict, as_json: bool,
 def _generate_http(target: str, prompt: dict, params: dict, as_json: bool,
                    api_key: str | None) -> int:
     """The same over HTTP: /v1/completions, or /v1/chat/completions with --chat."""
-    from cluster.http_client import HTTPStatusError
+    from kvserve.cluster.http_client import HTTPStatusError
 
     params = {k: v for k, v in params.items() if v is not None and v != []}
     try:
@@ -123,7 +123,7 @@ def _generate_http(target: str, prompt: dict, params: dict, as_json: bool,
 
 async def _stream_http(target: str, prompt: dict, params: dict, api_key: str | None,
                        echo: bool) -> dict:
-    from cluster.http_client import AsyncHTTPClient
+    from kvserve.cluster.http_client import AsyncHTTPClient
 
     text, ids, finish, usage = [], [], None, None
     async with AsyncHTTPClient(target, api_key=api_key) as client:
@@ -146,8 +146,8 @@ async def _stream_http(target: str, prompt: dict, params: dict, api_key: str | N
 
 
 async def _stream(config: EngineConfig, prompt: dict, params: dict, echo: bool) -> dict:
-    from workers.async_engine import AsyncLLMEngine
-    from workers.engine import LLMEngine
+    from kvserve.workers.async_engine import AsyncLLMEngine
+    from kvserve.workers.engine import LLMEngine
 
     engine = AsyncLLMEngine(LLMEngine(config))
     text, ids, last = [], [], None

@@ -9,13 +9,13 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cluster.app import GRPC_SERVICER_FUNCTIONS, AppConfig, build_app
 from kvserve.cli.types import RESET
+from kvserve.cluster.app import GRPC_SERVICER_FUNCTIONS, AppConfig, build_app
 from kvserve.process import sigterm_as_interrupt
-from workers.model_executor.loader import DEFAULT_MODEL
+from kvserve.workers.model_executor.loader import DEFAULT_MODEL
 
 if TYPE_CHECKING:
-    from cluster.local_head import LocalNodes, UpState
+    from kvserve.cluster.local_head import LocalNodes, UpState
 
 APP_NAME = "kvserve"
 
@@ -39,8 +39,8 @@ def serve_until_interrupted(config_path: str | None, overrides: dict[str, Any],
     """`kvserve up`: deploy as `start` does, serve until SIGINT or SIGTERM (one sent to the
     whole process group, as `timeout` sends it, included), then take down what it started.
     Its head is tied to this process: a SIGKILL of it takes the head down too."""
-    from cluster import local_head
     from kvserve.cli import status as status_cli
+    from kvserve.cluster import local_head
 
     config = load_config(config_path, overrides)
     with sigterm_as_interrupt():
@@ -75,14 +75,14 @@ def start(config: AppConfig, grpc_port: int, fate_share: bool,
           http_port: int, record: bool = True, nodes: LocalNodes | None = None
           ) -> UpState | None:
     """Deploy onto RAY_ADDRESS's cluster, or onto a Ray head started here as its own process
-    (cluster/local_head.py), and record it in the state file for `kvserve status` / `down`.
+    (kvserve/cluster/local_head.py), and record it in the state file for `kvserve status` / `down`.
     `fate_share`: the head ends when this process does. `record=False`: a deployment the caller
     keeps to itself (`kvserve loadtest`'s), beside any recorded one. `nodes`: how many Ray
     nodes to start here, and their GPUs (default: one head, no GPUs). None (and a message) on
     failure."""
     import sys
 
-    from cluster import local_head
+    from kvserve.cluster import local_head
 
     nodes = nodes or local_head.LocalNodes()
     address = os.environ.get("RAY_ADDRESS") or None
@@ -149,8 +149,8 @@ def redeploy(config_path: str | None, overrides: dict[str, Any], address: str | 
 
     from ray import serve
 
-    from cluster.local_head import disconnect_driver
     from kvserve.cli import status as status_cli
+    from kvserve.cluster.local_head import disconnect_driver
 
     try:
         config = load_config(config_path, overrides)
@@ -183,7 +183,7 @@ def _deploy(config: AppConfig, state: Any, grpc_port: int, http_port: int) -> st
     from ray import serve
     from ray.serve.config import gRPCOptions
 
-    from cluster.local_head import connect_driver, disconnect_driver
+    from kvserve.cluster.local_head import connect_driver, disconnect_driver
 
     context = connect_driver(state.address, state.env)
     try:
@@ -193,7 +193,7 @@ def _deploy(config: AppConfig, state: Any, grpc_port: int, http_port: int) -> st
             proxy_location="HeadOnly" if state.node_pids else None,
             grpc_options=gRPCOptions(port=grpc_port,
                                      grpc_servicer_functions=GRPC_SERVICER_FUNCTIONS),
-            # the OpenAI-compatible API (cluster/openai), on loopback
+            # the OpenAI-compatible API (kvserve/cluster/openai), on loopback
             http_options={"host": "127.0.0.1", "port": http_port},
         )
         serve.run(build_app(config), name=APP_NAME, blocking=False)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from kvserve.cli.types import positive_float, positive_ints, seconds
 
 if TYPE_CHECKING:
-    from cluster.local_head import UpState
+    from kvserve.cluster.local_head import UpState
 
 DESCRIPTION = """\
 Stream Generate over gRPC from Locust users (kvserve.bench.locust), headless, then print
@@ -98,8 +98,8 @@ def run_loadtest(args: argparse.Namespace) -> int:
 @contextmanager
 def _deployment(args: argparse.Namespace) -> Iterator[tuple]:
     """(target, read_rss or None, wait_idle): the given target or a local deployment."""
-    from cluster import local_head
     from kvserve.cli import status as status_cli
+    from kvserve.cluster import local_head
 
     local = None
     target = args.target
@@ -129,8 +129,8 @@ def _start_local(config: str | None) -> UpState | None:
     process (it ends with it, however), not recorded for `kvserve status` / `down`, without the
     Ray dashboard (a headless run; the summary reads replica memory from Ray's GCS). To watch a
     load in the dashboard, `kvserve up --detach` and pass --target."""
-    from cluster.local_head import LocalNodes, free_port
     from kvserve.cli.launch import load_config, start
+    from kvserve.cluster.local_head import LocalNodes, free_port
 
     overrides = {} if config else {"replicas": 1}
     return start(load_config(config, overrides), free_port(), fate_share=True, record=False,
@@ -141,9 +141,9 @@ def _ray_readers(address: str | None,
                  local: UpState | None = None) -> tuple[Callable | None, Callable[[], None]]:
     """Replica memory and idleness from the status rows, when the Ray cluster is reachable
     (`local`: this run's own deployment)."""
-    from cluster import replica_status
-    from cluster.memory_watch import replica_rss_from_ray
     from kvserve.cli import status as status_cli
+    from kvserve.cluster import replica_status
+    from kvserve.cluster.memory_watch import replica_rss_from_ray
 
     try:
         status_cli.connect(address, local)

@@ -40,7 +40,7 @@ def add_prepare(sub) -> None:
 
 
 def _run_prepare(args: argparse.Namespace) -> int:
-    from workers.model_executor.loader import resolve_model_dir
+    from kvserve.workers.model_executor.loader import resolve_model_dir
 
     def say(line: str) -> None:
         if not args.json:
@@ -61,7 +61,7 @@ def _run_prepare(args: argparse.Namespace) -> int:
 
 
 def _prepare_kernels(say) -> dict[str, Any]:
-    from workers.model_executor.cpu_kernels import (
+    from kvserve.workers.model_executor.cpu_kernels import (
         build_cpu_kernels,
         cpu_summary,
         kernel_build_dir,

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from kvserve.cli.engine_args import add_engine_args, engine_kwargs
 
 if TYPE_CHECKING:
-    from cluster.local_head import UpState
+    from kvserve.cluster.local_head import UpState
 
 
 def add_serve_commands(sub) -> None:
@@ -78,7 +78,7 @@ def add_app_args(p: argparse.ArgumentParser) -> None:
                         "(comma-separated). Without keys the service is open")
     p.add_argument("--api-keys-file", default=None, metavar="PATH",
                    help="YAML of keys, their tenants and the tenants' limits (requests_per_s, "
-                        "tokens_per_min); see cluster/auth.py")
+                        "tokens_per_min); see kvserve/cluster/auth.py")
     p.add_argument("--otlp-traces-endpoint", default=None, metavar="HOST:PORT",
                    help="export an OpenTelemetry span per request (queued, prefill, decode, "
                         "preemptions as children; a caller's W3C traceparent as parent) to "
@@ -97,7 +97,7 @@ def app_overrides(args: argparse.Namespace) -> dict:
 
 def _run_up(args: argparse.Namespace) -> int:
     overrides = app_overrides(args)
-    from cluster import local_head
+    from kvserve.cluster import local_head
 
     if already_up(local_head.read_live_state()):  # before the ~6 s of Ray and engine imports
         return 1
@@ -144,7 +144,7 @@ def keys_file_for(keys: list[str] | None, keys_file: str | None) -> str | None:
     as a path, never in the app's config."""
     import os
 
-    from cluster.auth import KEYS_ENV, parse_key
+    from kvserve.cluster.auth import KEYS_ENV, parse_key
 
     specs = [*(keys or []), *(k for k in os.environ.get(KEYS_ENV, "").split(",") if k.strip())]
     if not specs:
@@ -154,7 +154,7 @@ def keys_file_for(keys: list[str] | None, keys_file: str | None) -> str | None:
                          "--api-keys-file, not both")
     import yaml
 
-    from workers.config import cache_root
+    from kvserve.workers.config import cache_root
 
     entries = [{"key": k, "tenant": t} if t else k for k, t in map(parse_key, specs)]
     path = cache_root() / "api-keys.yaml"

@@ -13,7 +13,7 @@ import sys
 import time
 from typing import Any
 
-from cluster import local_head, ray_compat, replica_status
+from kvserve.cluster import local_head, ray_compat, replica_status
 
 APP_NAME = "kvserve"
 
@@ -102,7 +102,7 @@ def _cache_summary(app_name: str) -> dict[str, dict]:
     """Replica id -> its usage in the cache manager's index ({} without a manager)."""
     import ray
 
-    from cache_manager import actor as cache_manager
+    from kvserve.cache_manager import actor as cache_manager
 
     manager = cache_manager.get(cache_manager.deployment_key(app_name, "Generation"))
     if manager is None:
@@ -186,7 +186,7 @@ def cache_check(address: str | None, as_json: bool) -> int:
         print(f"kvserve: nothing deployed: {exc}", file=sys.stderr)
         return 1
 
-    from cluster import cache_check as check
+    from kvserve.cluster import cache_check as check
 
     try:
         return check.run(APP_NAME, as_json)
@@ -205,8 +205,8 @@ def down(address: str | None, state: local_head.UpState | None = None) -> int:
         return 1
     from ray import serve
 
-    from cache_manager import actor as cache_manager
-    from cluster import key_rings
+    from kvserve.cache_manager import actor as cache_manager
+    from kvserve.cluster import key_rings
 
     stop_head = state is not None and state.started_head
     try:

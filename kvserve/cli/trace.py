@@ -58,7 +58,7 @@ def add_trace(sub) -> None:
 
 
 def _run_trace(args: argparse.Namespace) -> int:
-    from workers.errors import InvalidRequestError
+    from kvserve.workers.errors import InvalidRequestError
 
     try:
         return _trace(args)
@@ -68,7 +68,7 @@ def _run_trace(args: argparse.Namespace) -> int:
 
 
 def _trace(args: argparse.Namespace) -> int:
-    from workers.model_executor.loader import resolve_model_dir
+    from kvserve.workers.model_executor.loader import resolve_model_dir
 
     if args.deployment:
         return _trace_deployment(args)
@@ -79,7 +79,7 @@ def _trace(args: argparse.Namespace) -> int:
 
         beside, arrive = None, 0
         if args.busy:
-            from evals.haystack import prose_text
+            from kvserve.evals.haystack import prose_text
             from kvserve.trace.workload import mixed_workload
 
             beside, arrive = mixed_workload(prose_text()), 11
@@ -103,13 +103,13 @@ def _record(config, args: argparse.Namespace) -> dict[str, Any]:
     from kvserve.trace.chrome import PHASES, TraceSource, chrome_trace
     from kvserve.trace.picture import draw_timeline
     from kvserve.trace.workload import mixed_workload, prompt_workload, run_workload
-    from workers.engine import LLMEngine
+    from kvserve.workers.engine import LLMEngine
 
     prompts = list(args.prompt) + (_read_prompts(args.prompts) if args.prompts else [])
     if prompts:
         workload = prompt_workload(prompts, args.max_tokens, args.arrive_every, args.chat)
     else:
-        from evals.haystack import prose_text
+        from kvserve.evals.haystack import prose_text
 
         workload = mixed_workload(prose_text())
     engine = LLMEngine(config)
@@ -157,7 +157,7 @@ def _trace_deployment(args: argparse.Namespace) -> int:
     except NothingRunning as exc:
         print(f"kvserve: nothing deployed: {exc}", file=sys.stderr)
         return 1
-    from cluster import local_head
+    from kvserve.cluster import local_head
     from kvserve.trace.chrome import chrome_trace
     from kvserve.trace.picture import draw_timeline
     from kvserve.trace.remote import replica_sources

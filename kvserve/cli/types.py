@@ -9,7 +9,7 @@ import json
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from workers.config import parse_size
+from kvserve.workers.config import parse_size
 
 T = TypeVar("T")
 

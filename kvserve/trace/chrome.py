@@ -19,7 +19,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from workers.core.timeline import (
+from kvserve.workers.core.timeline import (
     PHASES,
     RequestTimeline,
     StepRecord,

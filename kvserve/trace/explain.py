@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 from kvserve.trace.workload import TraceRequest, run_workload
-from workers.config import EngineConfig
-from workers.engine import LLMEngine
+from kvserve.workers.config import EngineConfig
+from kvserve.workers.engine import LLMEngine
 
 TOP = 5
 

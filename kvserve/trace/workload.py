@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from workers.core.outputs import RequestOutput
-from workers.engine import LLMEngine
+from kvserve.workers.core.outputs import RequestOutput
+from kvserve.workers.engine import LLMEngine
 
 
 @dataclass

@@ -55,8 +55,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 import shapes  # noqa: E402
 import workloads  # noqa: E402
 
-from cluster.client import backoff_s, call_metadata  # noqa: E402
-from cluster.http_client import base_url  # noqa: E402
+from kvserve.cluster.client import backoff_s, call_metadata  # noqa: E402
+from kvserve.cluster.http_client import base_url  # noqa: E402
 from kvserve.v1 import generation_pb2 as pb  # noqa: E402
 from kvserve.v1 import generation_pb2_grpc as pb_grpc  # noqa: E402
 

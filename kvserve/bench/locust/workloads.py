@@ -10,7 +10,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-PROSE = Path(__file__).resolve().parents[3] / "evals" / "data" / "haystack_prose.txt"
+PROSE = Path(__file__).resolve().parents[2] / "evals" / "data" / "haystack_prose.txt"
 TOPICS = ["caching", "compilers", "rivers", "databases", "orbits", "glaciers", "markets",
           "bridges", "proteins", "volcanoes"]
 # mixed: (prompt words, output tokens) drawn with these weights

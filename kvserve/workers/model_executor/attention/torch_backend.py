@@ -1,0 +1,113 @@
+"""Paged attention with torch's scaled_dot_product_attention: any device, this CPU included."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.workers.model_executor.attention.metadata import AttentionMetadata, PrefillSegment
+
+
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """k, v: [tokens, kv_heads, head_dim] into caches [blocks, block_size, kv_heads, head_dim]."""
+    k_cache.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
+
+
+def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
+    """cache: [blocks, block_size, kv_heads, head_dim] -> [seqs, kv_heads, length, head_dim]."""
+    seqs = block_tables.shape[0]
+    # only the blocks `length` needs: in a mixed step the tables are as wide as the longest
+    # sequence's, prefill chunks included
+    block_tables = block_tables[:, : -(-length // cache.shape[1])]
+    # index_select copies whole blocks: ~5x faster on CPU than advanced indexing cache[tables]
+    gathered = cache.index_select(0, block_tables.flatten())  # [seqs * max_blocks, block_size, ...]
+    gathered = gathered.view(seqs, -1, *cache.shape[2:])[:, :length]
+    return gathered.transpose(1, 2)
+
+
+class PagedAttention:
+    """Writes the step's K/V into the cache, then attends: decodes first, prefill chunks after."""
+
+    name = "base"
+
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+    ) -> torch.Tensor:
+        # q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim]
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        return self.attend(q, k, v, k_cache, v_cache, meta, scale)
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+    ) -> torch.Tensor:
+        """Attention over a cache that already holds the step's K/V (the model's fused RoPE
+        and KV-write kernel wrote them): decodes first, prefill chunks after."""
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
+        if nd:
+            out[:nd] = self.decode(q[:nd], k_cache, v_cache, meta, scale)
+        if meta.prefills:
+            out[nd:] = self.prefill(q[nd:], k[nd:], v[nd:], k_cache, v_cache, meta, scale)
+        return out
+
+    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        raise NotImplementedError
+
+    def prefill(
+        self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class TorchAttention(PagedAttention):
+    name = "torch"
+
+    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        length = meta.max_decode_context
+        keys = gather_kv(k_cache, meta.decode_block_tables, length)
+        values = gather_kv(v_cache, meta.decode_block_tables, length)
+        seqs, heads, head_dim = q.shape
+        kv_heads = keys.shape[1]
+        # a kv head's query heads go in as its query rows: each key is read once per kv head,
+        # not once per query head (one token per sequence, so one mask row serves them all)
+        grouped = q.view(seqs, kv_heads, heads // kv_heads, head_dim)
+        out = F.scaled_dot_product_attention(
+            grouped, keys, values, attn_mask=meta.decode_mask, scale=scale
+        )  # [decodes, kv_heads, group, head_dim]
+        return out.view(seqs, heads, head_dim)
+
+    def prefill(
+        self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        out = torch.empty_like(q)
+        first = meta.num_decodes  # rows of q/k/v here start after the decodes
+        for seg in meta.prefills:
+            rows = slice(seg.q_start - first, seg.q_start - first + seg.q_len)
+            out[rows] = self._chunk(q[rows], k[rows], v[rows], k_cache, v_cache, seg, scale)
+        return out
+
+    def _chunk(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        k_cache: torch.Tensor, v_cache: torch.Tensor, seg: PrefillSegment, scale: float,
+    ) -> torch.Tensor:
+        mask = None
+        if seg.context_len == seg.q_len:  # no earlier context: attend within the chunk
+            keys, values = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+        else:  # a later chunk: earlier tokens come from the cache
+            table = seg.block_table[None]
+            keys = gather_kv(k_cache, table, seg.context_len)
+            values = gather_kv(v_cache, table, seg.context_len)
+            offset = seg.context_len - seg.q_len
+            mask = torch.ones(seg.q_len, seg.context_len, dtype=torch.bool, device=q.device)
+            mask = mask.tril(diagonal=offset)
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], keys, values, attn_mask=mask,
+            is_causal=mask is None, scale=scale, enable_gqa=True,
+        )  # [1, heads, q_len, head_dim]
+        return out[0].transpose(0, 1)

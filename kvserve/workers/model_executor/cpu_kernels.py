@@ -1,0 +1,171 @@
+"""kvserve's C++ kernels for CPUs (`kvserve/workers/model_executor/csrc/`), built by `kvserve
+prepare`
+(or else at the first engine start on the machine).
+
+- `linear` (`pack_linear_weight`): every projection, batch-invariant, weights in 48-output
+  panels (AVX-512 builds only; `linear_available()` says; otherwise oneDNN runs them).
+- `linear_bf16` (`pack_linear_weight_bf16`): the same for bf16 weights and activations, fp32
+  multiply-adds, bf16 out (`bf16_linear_available()`; `linear_available_for` asks per dtype).
+- `decode_layer`: a whole decoder layer of a decode-only step in one call, over the kernels here.
+- `paged_decode`: decode attention read in place through the block table (the `cpu` attention
+  backend, `kvserve/workers/model_executor/attention/cpu_backend.py`), fp32 or bf16 (computed in
+  fp32).
+- `rms_norm`, `silu_and_mul`, `rotary_`: the decoder layer's elementwise work, one pass each
+  instead of 2-6 torch ops. In a decode step of 32 sequences those small ops, each on a few
+  thousand floats with cold caches after a matmul, cost ~25 % of the step on this CPU. In bf16
+  (AVX-512 builds) they round where transformers' bf16 ops round, and equal them bit for bit.
+
+They are compiled with the machine's C++ compiler by `torch.utils.cpp_extension` (~20 s on two
+cores, once per torch version and CPU type, cached under kvserve's cache directory:
+`kernels_root`) and registered as torch operators (`torch.ops.kvserve.*`, `csrc/bindings.cpp`),
+not as a pybind11 module, whose headers alone took longer to compile than all the kernels.
+Where that fails the engine
+runs the torch ops instead, with one warning. fp32 results differ from torch's only in the order of
+float sums (vectorized reductions, fused multiply-adds): the greedy exactness suite meets no
+near-tie.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvserve.workers.config import cache_root
+
+log = logging.getLogger(__name__)
+
+# What `load_cpu_kernels` returns: the `torch.ops.kvserve` namespace, whose attributes are the
+# operators below (`kernels.linear(x, packed, n, bias)`). torch gives that namespace no public
+# type, so it is named here once.
+CpuKernels = Any
+
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = [CSRC / name for name in ("bindings.cpp", "paged_decode.cpp", "fused_ops.cpp",
+                                    "linear.cpp", "linear_bf16.cpp", "decode_layer.cpp")]
+HEADERS = [CSRC / name for name in ("kernels.h", "bf16.h")]
+# -march=native: the build directory belongs to this machine (kvserve's cache directory).
+# -ffast-math: glibc's vector expf (libmvec) is declared only under it; the kernels see only
+# finite values, and reassociated sums are what vectorizing them means
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
+# torch's build lock is a file that a killed build leaves behind, and every later load would
+# wait on it for ever; a build takes well under a minute, so a lock this old is stale
+STALE_LOCK_S = 600
+LIBRARY = "kvserve_cpu_kernels"  # torch.utils.cpp_extension's extension name
+
+
+def kernels_root() -> Path:
+    """Where every caller builds and finds the kernels: kvserve's cache directory (one
+    subdirectory per torch, Python and CPU, `build_dir_name`)."""
+    return cache_root() / "kernels"
+
+
+def kernel_build_dir(build_root: Path | None = None) -> Path:
+    """This machine's build directory under `build_root` (default `kernels_root()`)."""
+    return (build_root or kernels_root()) / build_dir_name(torch.__version__, cpu_features())
+
+
+def kernel_library(build_root: Path | None = None) -> Path:
+    """The shared library a build leaves in `kernel_build_dir` (its mtime says when it was
+    last built)."""
+    return kernel_build_dir(build_root) / f"{LIBRARY}.so"
+
+
+def build_cpu_kernels(build_root: Path | None = None) -> CpuKernels:
+    """Build (or reuse) the kernels; raises where they cannot be built (no compiler, no ninja,
+    a read-only cache). `kvserve prepare` calls this to say why; the engine calls
+    `load_cpu_kernels`, which falls back to torch's ops."""
+    from torch.utils.cpp_extension import load
+
+    build_dir = kernel_build_dir(build_root)
+    build_dir.mkdir(parents=True, exist_ok=True)
+    clear_stale_lock(build_dir, time.time())
+    # torch rebuilds when a source or a flag changes, but it does not read headers: the
+    # headers' digest goes in as a flag
+    header = hashlib.sha256(b"".join(h.read_bytes() for h in HEADERS)).hexdigest()[:16]
+    if not hasattr(torch.ops.kvserve, "linear_available"):  # once per process
+        load(name=LIBRARY, sources=[str(s) for s in SOURCES],
+             build_directory=str(build_dir),
+             extra_cflags=[*CFLAGS, f"-DKVSERVE_KERNELS_H={header}"],
+             extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+    return torch.ops.kvserve
+
+
+def load_cpu_kernels(build_root: Path | None = None) -> CpuKernels | None:
+    """Build (or reuse) the kernels; None, with a warning, where they cannot be built."""
+    try:
+        return build_cpu_kernels(build_root)
+    except Exception as exc:  # no compiler, no ninja, a read-only cache: torch ops still work
+        log.warning("CPU kernels unavailable, running torch ops instead: %s", exc)
+        return None
+
+
+def linear_available_for(kernels: CpuKernels | None, dtype: torch.dtype) -> bool:
+    """Whether `kernels` has a batch-invariant projection for weights and activations of `dtype`:
+    fp32 `linear` or bf16 `linear_bf16` (both need AVX-512; other dtypes have none)."""
+    if kernels is None:
+        return False
+    if dtype == torch.float32:
+        return bool(kernels.linear_available())
+    if dtype == torch.bfloat16:
+        return bool(kernels.bf16_linear_available())
+    return False
+
+
+def elementwise_available_for(kernels: CpuKernels | None, dtype: torch.dtype) -> bool:
+    """Whether `kernels` runs `rms_norm`, `rotary_` and `silu_and_mul` (so `decode_layer`'s
+    elementwise work) in `dtype`: fp32 always, bf16 in AVX-512 builds (those with `linear_bf16`)."""
+    if kernels is None:
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16
+                                      and bool(kernels.bf16_linear_available()))
+
+
+def build_dir_name(torch_version: str, features: str) -> str:
+    """One build per torch, Python and CPU feature set: with -march=native, a build made on one
+    node of a cluster sharing a home directory would die of an illegal instruction on an older
+    one (no AVX-512, say)."""
+    python = f"py{sys.version_info.major}{sys.version_info.minor}"
+    cpu = hashlib.sha256(features.encode()).hexdigest()[:12]
+    return f"torch-{torch_version}-{python}-cpu-{cpu}".replace("+", "_")
+
+
+def cpu_features() -> str:
+    """The CPU's model and instruction-set flags (Linux's /proc/cpuinfo), else the platform's
+    processor string."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or platform.machine()
+    wanted = ("model name", "flags")
+    return "\n".join(sorted({ln for ln in lines if ln.split(":")[0].strip() in wanted}))
+
+
+def cpu_summary() -> str:
+    """The CPU's model and the flags that decide its matmul rates."""
+    text = cpu_features()
+    model = next((ln.split(":", 1)[1].strip() for ln in text.splitlines()
+                  if ln.startswith("model name")), "unknown CPU")
+    flags = next((ln.split(":", 1)[1].split() for ln in text.splitlines()
+                  if ln.startswith("flags")), [])
+    wanted = ("avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile", "avx2")
+    return f"{model} [{' '.join(f for f in wanted if f in flags) or 'no AVX-512/AMX'}]"
+
+
+def clear_stale_lock(build_dir: Path, now: float) -> bool:
+    """Remove torch's build lock in `build_dir` if it is older than STALE_LOCK_S."""
+    lock = build_dir / "lock"
+    try:
+        if now - lock.stat().st_mtime <= STALE_LOCK_S:
+            return False
+        lock.unlink()
+    except FileNotFoundError:
+        return False
+    log.warning("removed a stale kernel build lock (%s)", lock)
+    return True

@@ -1,0 +1,394 @@
+"""A compact Llama-family decoder (Llama 2/3, Qwen2, Mistral, SmolLM) over a paged KV cache.
+
+Weights come straight from the checkpoint's tensors; q/k/v and gate/up are fused into one matmul
+each, which keeps the per-layer op count (and so Python overhead per step) small. Every op follows
+transformers' Llama code in the same order and dtype so greedy output matches `generate()`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from types import ModuleType
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvserve.workers.model_executor.attention import AttentionMetadata
+from kvserve.workers.model_executor.attention.cpu_backend import CPUAttention
+from kvserve.workers.model_executor.cpu_kernels import (
+    CpuKernels,
+    elementwise_available_for,
+    linear_available_for,
+)
+from kvserve.workers.model_executor.rope import rotate
+
+if TYPE_CHECKING:  # (transformers is imported to load a checkpoint, not with the model)
+    from transformers import PretrainedConfig
+
+
+@functools.cache
+def onednn_available(dtype: torch.dtype = torch.float32) -> bool:
+    """oneDNN's prepacked matmuls run `dtype` on this CPU. Probed, not assumed: its fp16 path
+    needs AVX512-FP16 or AVX-NE-CONVERT (Intel Sapphire Rapids has them, AMD Zen 4 does not)."""
+    if not (torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype), PACK_ROWS)
+    except RuntimeError:
+        return False
+    return True
+
+
+def padded_rows(rows: int) -> int:
+    """The row count a oneDNN matmul runs at: exact up to 16, else rounded up to 8 steps per
+    doubling (at most 12.5 % padding), so a replica sees a few dozen shapes, not every one."""
+    if rows <= 16:
+        return rows
+    step = 1 << (rows.bit_length() - 4)  # rows in [2^k, 2^(k+1)): step 2^(k-3)
+    return -(-rows // step) * step
+
+
+# the batch size oneDNN lays packed weights out for: fastest from 8 rows up on this CPU, and the
+# same speed as a plain weight at 1 row (measured, SmolLM2's projection shapes)
+PACK_ROWS = 32
+
+
+class Linear(nn.Linear):
+    """nn.Linear that runs, on CPU, kvserve's own kernel or oneDNN, its weight prepacked.
+
+    With kvserve's CPU kernels (fp32, AVX-512) the weight is packed into 48-output panels and
+    `kernels.linear` computes each output as one multiply-add chain over the inputs in order, so
+    a row's numbers are the same at every batch size; at one row it is a single sequential read of
+    the weights, which is what bounds batch-1 decode (measured on SmolLM2's shapes against
+    prepacked oneDNN: 1.1-3x faster at 1 row, 1.04-1.3x at 32 rows, equal at 256).
+
+    Otherwise prepacked oneDNN: it beats F.linear's MKL path at every batch size we step with on
+    this CPU (~2x at 1 row, ~2.2x at 32, ~1.25x at 512), and each row's output is bit-identical at
+    every row count too. But oneDNN keeps memory for every row count it has run (~0.5 MB per count
+    and weight shape; F.linear keeps none), and a serving step's token count takes any value up to
+    the budget: so its rows are padded to `padded_rows`.
+    """
+
+    use_onednn: bool = False
+    kernel: Callable | None = None  # kernels.linear / linear_bf16, when the weight is packed for it
+
+    def reset_parameters(self) -> None:
+        """No random initialisation on the meta device: a model is built there and every
+        weight then comes from the checkpoint (`CausalLM.load_checkpoint` refuses a missing
+        one), and nn.Linear's kaiming init on meta still ran torch's Python decomposition,
+        0.17 CPU-s an engine."""
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:  # x: [rows, in_features]
+            return self.kernel(x, self.weight, self.out_features, self.bias)
+        if not self.use_onednn:
+            return F.linear(x, self.weight, self.bias)
+        rows = x.shape[0]
+        pad = padded_rows(rows) - rows
+        if pad:
+            x = F.pad(x, (0, 0, 0, pad))
+        out = torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return out[:rows] if pad else out
+
+    def pack_for_onednn(self) -> None:
+        """Swap the weight for a oneDNN-packed copy (the plain one is freed, unless a tied
+        embedding still holds it)."""
+        packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), PACK_ROWS)
+        self.weight = nn.Parameter(packed, requires_grad=False)
+        self.use_onednn = True
+
+    def pack_for_kernels(self, kernels: CpuKernels) -> None:
+        """Swap the weight for panels of `kernels.linear` (fp32) or `kernels.linear_bf16`
+        (bf16), as `pack_for_onednn` does."""
+        weight = self.weight.detach()
+        if weight.dtype == torch.bfloat16:
+            packed, self.kernel = kernels.pack_linear_weight_bf16(weight), kernels.linear_bf16
+        else:
+            packed, self.kernel = kernels.pack_linear_weight(weight), kernels.linear
+        self.weight = nn.Parameter(packed, requires_grad=False)
+
+
+class RMSNorm(nn.Module):
+    kernels: CpuKernels | None = None  # cpu_kernels, in fp32 and bf16 on CPUs
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None:
+            return self.kernels.rms_norm(x, self.weight, self.eps)
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Attention(nn.Module):
+    kernels: CpuKernels | None = None  # cpu_kernels, in fp32 and bf16 on CPUs
+    triton_ops: ModuleType | None = None  # triton_ops, with the triton attention backend
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.scale = self.head_dim**-0.5
+        bias = getattr(config, "attention_bias", False) or config.model_type == "qwen2"
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.split = (q_size, kv_size, kv_size)
+        self.qkv_proj = Linear(config.hidden_size, sum(self.split), bias=bias)
+        self.o_proj = Linear(
+            q_size, config.hidden_size, bias=getattr(config, "attention_bias", False)
+        )
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        backend,
+    ) -> torch.Tensor:
+        tokens = x.shape[0]
+        qkv = self.qkv_proj(x).view(tokens, -1, self.head_dim)  # [tokens, heads + 2 kv_heads, d]
+        rotated = self.num_heads + self.num_kv_heads
+        if self.triton_ops is not None:  # q, k rotated in place, k and v written to the cache
+            self.triton_ops.rotary_write_kv_(qkv, self.num_heads, self.num_kv_heads, cos, sin,
+                                             kv[0], kv[1], meta.slot_mapping)
+            q, k, v = qkv.split((self.num_heads, self.num_kv_heads, self.num_kv_heads), dim=1)
+            out = backend.attend(q, k, v, kv[0], kv[1], meta, self.scale)
+            return self.o_proj(out.reshape(tokens, -1))
+        if self.kernels is not None:  # q and k rotated in place, one pass
+            self.kernels.rotary_(qkv, rotated, cos, sin)
+            qk = qkv[:, :rotated]
+        else:  # q and k rotated in one go: the same elementwise ops, half the op launches
+            qk = rotate(qkv[:, :rotated], cos, sin)
+        q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
+        v = qkv[:, rotated:]
+        out = backend(q, k, v, kv[0], kv[1], meta, self.scale)  # [tokens, heads, head_dim]
+        return self.o_proj(out.reshape(tokens, -1))
+
+
+class MLP(nn.Module):
+    # gate_up [rows, 2 * intermediate] -> silu(gate) * up: cpu_kernels' on CPUs, triton_ops'
+    # with the triton backend; None: torch's ops
+    silu_and_mul: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.intermediate = config.intermediate_size
+        bias = getattr(config, "mlp_bias", False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate, bias=bias)
+        self.down_proj = Linear(self.intermediate, config.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        if self.silu_and_mul is not None:
+            return self.down_proj(self.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, h, cos, sin, kv, meta, backend) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv, meta, backend)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def decode_weights(self) -> list[torch.Tensor]:
+        """The tensors `kernels.decode_layer` takes, in its order (an empty tensor: no bias)."""
+        attn, mlp, none = self.self_attn, self.mlp, torch.empty(0)
+        return [
+            self.input_layernorm.weight, attn.qkv_proj.weight, _or(attn.qkv_proj.bias, none),
+            attn.o_proj.weight, _or(attn.o_proj.bias, none), self.post_attention_layernorm.weight,
+            mlp.gate_up_proj.weight, _or(mlp.gate_up_proj.bias, none), mlp.down_proj.weight,
+            _or(mlp.down_proj.bias, none),
+        ]
+
+
+class CausalLM(nn.Module):
+    decode_kernels: CpuKernels | None = None  # cpu_kernels, for decode-only steps
+    triton_ops: ModuleType | None = None  # triton_ops: every layer's norms and RoPE in Triton
+    decode_weights: list[list[torch.Tensor]]  # per layer, as `DecoderLayer.decode_weights`
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.config = config
+        # an uninitialised weight (`_weight`): the checkpoint overwrites it, and initialising
+        # it on the meta device (`_build_model`) runs torch's Python `normal_`, whose first
+        # call imports torch._dynamo (0.65 CPU-s of every engine process's start)
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size, config.hidden_size,
+            _weight=torch.empty(config.vocab_size, config.hidden_size))
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.requires_grad_(False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        backend,
+    ) -> torch.Tensor:
+        """input_ids: [tokens] -> hidden states [tokens, hidden] (final norm not applied)."""
+        h = self.embed_tokens(input_ids)
+        if self.decode_kernels is not None and backend.name == "cpu" and not meta.prefills:
+            return self._decode_in_kernels(h, cos, sin, kv_cache, meta)
+        if self.triton_ops is not None:
+            return self._forward_fused(h, cos, sin, kv_cache, meta, backend)
+        for layer, kv in zip(self.layers, kv_cache, strict=True):
+            h = layer(h, cos, sin, kv, meta, backend)
+        return h
+
+    def _forward_fused(self, h, cos, sin, kv_cache, meta: AttentionMetadata,
+                       backend) -> torch.Tensor:
+        """The layers with each residual add fused into the norm after it (vLLM's
+        fused_add_rms_norm): the same sums, rounded where `DecoderLayer.forward` rounds them,
+        in half the launches. A host-bound GPU step pays per launch, not per byte."""
+        norm = self.triton_ops.rms_norm
+        residual = None
+        for layer, kv in zip(self.layers, kv_cache, strict=True):
+            ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
+            if residual is None:
+                residual, x = h, norm(h, ln1.weight, ln1.eps)
+            else:  # h: the previous layer's MLP output
+                x, residual = norm(h, ln1.weight, ln1.eps, residual)
+            h = layer.self_attn(x, cos, sin, kv, meta, backend)
+            x, residual = norm(h, ln2.weight, ln2.eps, residual)
+            h = layer.mlp(x)
+        return residual + h
+
+    def _decode_in_kernels(self, h, cos, sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        """A decode-only step, a layer per C++ call (`csrc/decode_layer.cpp`): the same
+        kernels in the same order as `forward`'s layers with the `cpu` backend, without Python's
+        per-op overhead."""
+        attn = self.layers[0].self_attn
+        dims = [attn.num_heads, attn.num_kv_heads, attn.head_dim, self.layers[0].mlp.intermediate]
+        eps = self.layers[0].input_layernorm.eps
+        for weights, (k_cache, v_cache) in zip(self.decode_weights, kv_cache, strict=True):
+            h = self.decode_kernels.decode_layer(
+                h, weights, dims, cos, sin, k_cache, v_cache, meta.slot_mapping,
+                meta.decode_block_tables, meta.decode_context_lens, attn.scale, eps)
+        return h
+
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """h: [rows, hidden] -> fp32 logits [rows, vocab]."""
+        return self.lm_head(self.norm(h)).float()
+
+    def use_onednn_matmuls(self) -> None:
+        """CPU only: route the projections `use_cpu_kernels` did not take through oneDNN,
+        weights prepacked (see `Linear`). A tied lm_head gets its own packed copy; the embedding
+        keeps the plain table."""
+        for module in self.modules():
+            if isinstance(module, Linear) and module.kernel is None:
+                module.pack_for_onednn()
+
+    def use_cpu_kernels(self, kernels: CpuKernels) -> None:
+        """CPU only, fp32 and bf16 (bf16 needs an AVX-512 build): norms, RoPE, the MLP
+        activation and (with AVX-512) the projections in kvserve's C++ kernels; where the `cpu`
+        attention backend covers the shapes, decode-only steps run a layer per call. bf16's
+        elementwise kernels round where transformers' bf16 ops do (bit-identical to them); its
+        projections are `linear_bf16` (batch-invariant; oneDNN's bf16 GEMV is 2-3x slower at one
+        row). A tied lm_head gets its own packed copy, as with oneDNN."""
+        dtype = self.lm_head.weight.dtype
+        if elementwise_available_for(kernels, dtype):
+            for module in self.modules():
+                if isinstance(module, (RMSNorm, Attention)):
+                    module.kernels = kernels
+                elif isinstance(module, MLP):
+                    module.silu_and_mul = kernels.silu_and_mul
+        if linear_available_for(kernels, dtype):
+            for module in self.modules():
+                if isinstance(module, Linear):
+                    module.pack_for_kernels(kernels)
+        attn = self.layers[0].self_attn
+        if (linear_available_for(kernels, dtype) and elementwise_available_for(kernels, dtype)
+                and CPUAttention.covers_shape(dtype, attn.num_heads, attn.num_kv_heads,
+                                              attn.head_dim)):
+            self.decode_kernels = kernels
+            self.decode_weights = [layer.decode_weights() for layer in self.layers]
+
+    def use_triton_kernels(self) -> None:
+        """With the triton attention backend (CUDA; a CPU under Triton's interpreter): norms
+        with the residual add, SiLU-and-mul, and RoPE with the KV-cache write in Triton
+        (`triton_ops`), each equal to the torch ops it replaces (tests/test_triton_ops.py)."""
+        from kvserve.workers.model_executor import triton_ops
+
+        self.triton_ops = triton_ops
+        for module in self.modules():
+            if isinstance(module, Attention):
+                module.triton_ops = triton_ops
+            elif isinstance(module, MLP):
+                module.silu_and_mul = triton_ops.silu_and_mul
+
+    def load_checkpoint(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Take Hugging Face-named tensors in, fusing q/k/v and gate/up.
+
+        A tensor already in the parameter's dtype, device and shape becomes the parameter
+        itself rather than being copied: the loader's tensors are read-only views of the
+        safetensors file's page cache (mmap), shared by every process that loads the model,
+        and nothing writes to weights. Copying would write the whole model into fresh memory,
+        which costs more than reading it (~1.3 s for SmolLM2's 540 MB on a VM whose first
+        touch of a page costs ~15 us); the fused and packed weights are new tensors anyway."""
+        own = dict(self.named_parameters())
+        for i in range(len(self.layers)):
+            pre = f"model.layers.{i}."
+            _fuse(tensors, pre + "self_attn.", ("q_proj", "k_proj", "v_proj"), "qkv_proj")
+            _fuse(tensors, pre + "mlp.", ("gate_proj", "up_proj"), "gate_up_proj")
+        for name, tensor in tensors.items():
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            key = name.removeprefix("model.")
+            if key == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            if key not in own:
+                raise KeyError(f"checkpoint tensor {name} has no place in the model")
+            param = own.pop(key)
+            if (tensor.dtype, tensor.device, tensor.shape) == (param.dtype, param.device,
+                                                               param.shape):
+                module, _, attr = key.rpartition(".")
+                setattr(self.get_submodule(module), attr, nn.Parameter(tensor,
+                                                                       requires_grad=False))
+            else:
+                param.copy_(tensor)
+        if self.config.tie_word_embeddings:  # the embedding may be a new Parameter now
+            self.lm_head.weight = self.embed_tokens.weight
+        missing = [
+            k for k in own if not (k == "lm_head.weight" and self.config.tie_word_embeddings)
+        ]
+        if missing:
+            raise KeyError(f"checkpoint lacks {missing[:5]}")
+
+
+def _or(tensor: torch.Tensor | None, default: torch.Tensor) -> torch.Tensor:
+    return default if tensor is None else tensor
+
+
+def _fuse(
+    tensors: dict[str, torch.Tensor], prefix: str, parts: tuple[str, ...], fused: str
+) -> None:
+    for kind in ("weight", "bias"):
+        names = [f"{prefix}{p}.{kind}" for p in parts]
+        if all(n in tensors for n in names):
+            tensors[f"{prefix}{fused}.{kind}"] = torch.cat([tensors.pop(n) for n in names])

