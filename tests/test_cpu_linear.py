@@ -11,7 +11,7 @@ from kvserve.bench.baselines import (
     weight_bytes_per_decode_step,
     weights_read_seconds,
 )
-from kvserve.workers.engine import _build_model
+from kvserve.workers.builder import build_model
 from kvserve.workers.model_executor.attention import make_backend
 from kvserve.workers.model_executor.attention import metadata as attention_metadata
 from kvserve.workers.model_executor.cpu_kernels import (
@@ -114,7 +114,7 @@ def _decode_step(model, lengths: list[int], block_size: int = 16, dtype=torch.fl
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])  # qwen2: q/k/v biases
 def test_decode_layer_is_bit_identical_to_the_python_layers(kernels, model_type):
-    model = _build_model(tiny_checkpoint(model_type, **COVERED), torch.device("cpu"),
+    model = build_model(tiny_checkpoint(model_type, **COVERED), torch.device("cpu"),
                          torch.float32, kernels)
     assert model.decode_kernels is kernels
     backend = make_backend("cpu", kernels)
@@ -133,7 +133,7 @@ def test_decode_layer_is_bit_identical_to_the_python_layers(kernels, model_type)
 def test_bf16_decode_layer_is_bit_identical_to_the_python_layers(bf16_kernels, model_type):
     """bf16 weights (`linear_bf16` panels), activations, caches and cos/sin: the one-call layer
     and the Python layers run the same bf16 kernels in the same order."""
-    model = _build_model(tiny_checkpoint(model_type, **COVERED), torch.device("cpu"),
+    model = build_model(tiny_checkpoint(model_type, **COVERED), torch.device("cpu"),
                          torch.bfloat16, bf16_kernels)
     assert model.decode_kernels is bf16_kernels
     assert model.layers[0].mlp.silu_and_mul == bf16_kernels.silu_and_mul
@@ -150,15 +150,15 @@ def test_bf16_decode_layer_is_bit_identical_to_the_python_layers(bf16_kernels, m
 
 
 def test_decode_layer_only_where_the_cpu_backend_covers_the_shapes(kernels):
-    uncovered = _build_model(tiny_checkpoint(), torch.device("cpu"), torch.float32, kernels)
+    uncovered = build_model(tiny_checkpoint(), torch.device("cpu"), torch.float32, kernels)
     assert uncovered.decode_kernels is None  # head_dim 16
-    covered = _build_model(tiny_checkpoint(**COVERED), torch.device("cpu"), torch.float32, kernels)
+    covered = build_model(tiny_checkpoint(**COVERED), torch.device("cpu"), torch.float32, kernels)
     assert covered.lm_head.kernel is kernels.linear
     assert covered.lm_head.weight.data_ptr() != covered.embed_tokens.weight.data_ptr()
 
 
 def test_a_decode_step_reads_every_weight_once_and_no_embedding(kernels):
-    model = _build_model(tiny_checkpoint(**COVERED), torch.device("cpu"), torch.float32, kernels)
+    model = build_model(tiny_checkpoint(**COVERED), torch.device("cpu"), torch.float32, kernels)
     ids = {id(t) for t in decode_step_weights(model)}
     assert id(model.embed_tokens.weight) not in ids
     assert id(model.lm_head.weight) in ids  # tied, but packed into its own copy
@@ -234,8 +234,8 @@ def test_linear_bf16_rows_do_not_depend_on_the_batch(bf16_kernels):
 
 def test_onednn_bf16_rows_do_depend_on_the_batch(bf16_kernels):
     """The negative control: torch's bf16 F.linear and prepacked oneDNN bf16 give some rows of a
-    batch other numbers than the same rows alone (seen on down_proj's shape, K = 1536; at K = 576
-    they happened to agree). If this fails, torch's bf16 became batch-invariant on this CPU, and
+    batch other numbers than the same rows alone (on down_proj's shape, K = 1536; at K = 576
+    they agree). If this fails, torch's bf16 became batch-invariant on this CPU, and
     this claim is to be dropped, not the test loosened."""
     n, k = 576, 1536
     w, _, x = _bf16_case(n, k, 64, 0)

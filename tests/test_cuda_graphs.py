@@ -16,8 +16,9 @@ import torch
 pytest.importorskip("triton")
 pytestmark = pytest.mark.triton
 
+from kvserve.workers.builder import kv_budget, uses_graphs  # noqa: E402
 from kvserve.workers.config import EngineConfig  # noqa: E402
-from kvserve.workers.engine import LLMEngine, _kv_budget, _uses_graphs  # noqa: E402
+from kvserve.workers.engine import LLMEngine  # noqa: E402
 from kvserve.workers.model_executor.attention import make_backend  # noqa: E402
 from kvserve.workers.model_executor.cuda_graphs import (  # noqa: E402
     DecodeGraphs,
@@ -134,10 +135,10 @@ def test_stale_padding_rows_would_overwrite_other_requests_kv(checkpoint, monkey
 def test_graphs_only_for_cuda_and_backends_with_length_free_grids(checkpoint):
     triton, torch_backend = make_backend("triton"), make_backend("torch")
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert _uses_graphs(EngineConfig(), cuda, triton)
-    assert not _uses_graphs(EngineConfig(enforce_eager=True), cuda, triton)
-    assert not _uses_graphs(EngineConfig(), cuda, torch_backend)
-    assert not _uses_graphs(EngineConfig(), cpu, triton)
+    assert uses_graphs(EngineConfig(), cuda, triton)
+    assert not uses_graphs(EngineConfig(enforce_eager=True), cuda, triton)
+    assert not uses_graphs(EngineConfig(), cuda, torch_backend)
+    assert not uses_graphs(EngineConfig(), cpu, triton)
     if DEVICE == "cpu":  # a CPU engine captures nothing, enforce_eager or not
         assert _engine(checkpoint, enforce_eager=False).info.cuda_graph_sizes == ()
     engine = _engine(checkpoint, "torch")
@@ -150,12 +151,12 @@ def test_graph_memory_comes_out_of_the_kv_budget(monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (70 * gib, 80 * gib))
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 8 * gib)
     config = EngineConfig(gpu_memory_utilization=0.9)
-    without = _kv_budget(config, torch.device("cuda"))
+    without = kv_budget(config, torch.device("cuda"))
     graphs = graph_memory_bytes(256, 8192, 2048, 32, 8, 64, 8192, torch.bfloat16)
-    assert _kv_budget(config, torch.device("cuda"), graphs) == without - graphs
+    assert kv_budget(config, torch.device("cuda"), graphs) == without - graphs
     assert 10 * 2**20 < graphs < gib  # Llama-3.2-1B's shape at 256 rows: tens of MiB
     # an explicit pool size is the pool size
-    assert _kv_budget(EngineConfig(kv_cache_memory=gib), torch.device("cuda"), graphs) == gib
+    assert kv_budget(EngineConfig(kv_cache_memory=gib), torch.device("cuda"), graphs) == gib
 
 
 @pytest.mark.gpu

@@ -15,7 +15,7 @@ import json
 import pytest
 import torch
 
-from kvserve.workers.engine import _resolve_block_size
+from kvserve.workers.builder import resolve_block_size
 from kvserve.workers.model_executor.attention import TorchAttention, resolve_backend_name
 from kvserve.workers.model_executor.attention import flash_reference as ref
 from kvserve.workers.model_executor.attention.flash_backend import (
@@ -385,13 +385,13 @@ def test_engine_block_size_and_dtype_follow_the_provider_rule():
     flash = FlashAttention(reference_provider(TORCH_VARLEN, dtypes=ref.KERNEL_DTYPES,
                                               page_multiple=256))
     bf16 = torch.bfloat16
-    assert _resolve_block_size(None, flash, bf16) == 256
-    assert _resolve_block_size(512, flash, bf16) == 512
+    assert resolve_block_size(None, flash, bf16) == 256
+    assert resolve_block_size(512, flash, bf16) == 512
     with pytest.raises(ValueError, match="multiple of 256"):
-        _resolve_block_size(16, flash, bf16)
+        resolve_block_size(16, flash, bf16)
     with pytest.raises(ValueError, match="not dtype float32"):
-        _resolve_block_size(None, flash, torch.float32)
-    assert _resolve_block_size(None, TorchAttention(), torch.float32) == 16
+        resolve_block_size(None, flash, torch.float32)
+    assert resolve_block_size(None, TorchAttention(), torch.float32) == 16
 
 
 @pytest.mark.skipif(default_provider_name() is not None, reason="a flash provider is here")

@@ -24,7 +24,7 @@ from kvserve.workers.core.timeline import (
     RequestTimeline,
     StepRecord,
     TimelineEvent,
-    step_events,
+    events_by_request,
 )
 
 STEP_TID = 0
@@ -137,16 +137,10 @@ def request_events(source: TraceSource) -> dict[str, list[TimelineEvent]]:
 
 
 def events_from_steps(steps: Sequence[StepRecord]) -> dict[str, list[TimelineEvent]]:
-    """Request id -> the timeline events the steps show (`timeline.step_events`; all but
+    """Request id -> the timeline events the steps show (`timeline.events_by_request`; all but
     arrival, first token and prefix hits): for requests still running, or engines that send
     only their steps."""
-    out: dict[str, list[TimelineEvent]] = {}
-    preempted: set[str] = set()
-    for step in steps:
-        preempted.update(p.request_id for p in step.preempted)
-        for rid, event in step_events(step, resumed=preempted):
-            out.setdefault(rid, []).append(event)
-    return out
+    return events_by_request(steps)
 
 
 def _request(pid: int, tid: int, events: list[TimelineEvent], us) -> list[dict[str, Any]]:

@@ -268,6 +268,23 @@ def step_events(record: StepRecord, resumed: Container[str] = (),
     return out
 
 
+def events_by_request(records: Iterable[StepRecord], resumed: Iterable[str] = (),
+                      cached_tokens: Mapping[str, int] | None = None,
+                      first_tokens: Mapping[str, float] | None = None,
+                      ) -> dict[str, list[TimelineEvent]]:
+    """Request id -> the events of `records` (`step_events` of each, in order). A request
+    preempted in one record resumes in a later one; `resumed` names those preempted before the
+    first. The engine calls it with each step's record as it runs; a trace calls it with a
+    replica's recent steps, for the requests still running."""
+    out: dict[str, list[TimelineEvent]] = {}
+    preempted = set(resumed)
+    for record in records:
+        preempted.update(p.request_id for p in record.preempted)
+        for rid, event in step_events(record, preempted, cached_tokens, first_tokens):
+            out.setdefault(rid, []).append(event)
+    return out
+
+
 @dataclass
 class StepHistory:
     """The engine's recent steps, a ring buffer of `capacity` records (0: recording is off,

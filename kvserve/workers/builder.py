@@ -1,0 +1,302 @@
+"""Building an engine's parts from an EngineConfig: device, dtype, model, KV pool, runner, block
+manager, scheduler and proposer, each sized and checked once.
+
+Why a module of its own: every choice here is made once at start (which attention backend, how
+many KV blocks fit, whether decode replays CUDA graphs) and a wrong setting must stop the engine
+before it takes a request, not inside its first step. The step loop (`engine.py`) never sees any
+of it: it receives the built parts (`EngineParts`).
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from kvserve.workers.config import DTYPES, EngineConfig
+from kvserve.workers.core.block_manager import BlockManager
+from kvserve.workers.core.host_block_pool import HostBlockPool
+from kvserve.workers.core.kv_events import KVEvents
+from kvserve.workers.core.ngram_proposer import NgramProposer
+from kvserve.workers.core.scheduler import Scheduler
+from kvserve.workers.core.sequence import Sequence
+from kvserve.workers.model_executor.attention import (
+    PagedAttention,
+    make_backend,
+    resolve_backend_name,
+)
+from kvserve.workers.model_executor.cpu_kernels import CpuKernels, load_cpu_kernels
+from kvserve.workers.model_executor.cuda_graphs import graph_batch_sizes, graph_memory_bytes
+from kvserve.workers.model_executor.draft_proposer import DraftModelProposer
+from kvserve.workers.model_executor.kv_cache import KVCacheSpec
+from kvserve.workers.model_executor.loader import (
+    DEFAULT_MODEL,
+    LoadedCheckpoint,
+    load_checkpoint,
+    with_rope_override,
+)
+from kvserve.workers.model_executor.model import CausalLM, onednn_available
+from kvserve.workers.model_executor.model_runner import ModelRunner
+from kvserve.workers.model_executor.rope import RotaryEmbedding
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What this engine serves and how (the ModelInfo RPC, benchmark reports)."""
+
+    name: str
+    vocab_size: int
+    max_model_len: int
+    rope_parameters: dict[str, Any]
+    dtype: str
+    device: str
+    attention_backend: str
+    block_size: int
+    num_blocks: int
+    num_host_blocks: int
+    cuda_graph_sizes: tuple[int, ...] = ()  # decode batch sizes replayed from CUDA graphs
+
+
+class Proposer(Protocol):
+    """Where speculative drafts come from (`NgramProposer`, `DraftModelProposer`)."""
+
+    def propose(self, requests: list[tuple[Sequence, int]]) -> list[list[int]]:
+        """Up to k draft tokens to follow each (decoding sequence, k)."""
+        ...
+
+    def forget(self, request_id: str) -> None:
+        """The request ended: drop whatever is kept for it."""
+        ...
+
+
+@dataclass
+class EngineParts:
+    """Everything an LLMEngine steps with, built and checked."""
+
+    checkpoint: LoadedCheckpoint
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+    model: CausalLM
+    runner: ModelRunner
+    block_manager: BlockManager
+    scheduler: Scheduler
+    kv_events: KVEvents
+    proposer: Proposer | None
+    eos_token_ids: set[int]
+    bytes_per_block: int
+    info: ModelInfo
+
+
+def build_engine_parts(config: EngineConfig, checkpoint: LoadedCheckpoint | None = None,
+                       draft_checkpoint: LoadedCheckpoint | None = None) -> EngineParts:
+    """The parts for `config`; `checkpoint` replaces loading `config.model`, and
+    `draft_checkpoint` loading `config.draft_model`."""
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    # on a new machine the kernel build (a compiler in subprocesses) and the model's first
+    # conversion (Python, mostly one core) take ~20 s each: side by side, not one after the
+    # other (on 2 cores they only share the cores; hosts with more cores overlap them)
+    pool = ThreadPoolExecutor(1, thread_name_prefix="kvserve-kernels")
+    kernels = pool.submit(cpu_kernels_for, device, dtype)
+    try:
+        ckpt = with_rope_override(checkpoint or load_checkpoint(config.model),
+                                  config.rope_parameters)
+    finally:
+        pool.shutdown(wait=False)  # a missing model is reported without waiting for a build
+    cpu_kernels = kernels.result()
+    max_model_len = model_len(config, ckpt.config)
+    backend_name = resolve_backend_name(config.attention_backend, device)
+    model = build_model(ckpt, device, dtype, cpu_kernels, triton=backend_name == "triton")
+    # the decode attention kernel runs fp32 and bf16: other dtypes take the torch backend
+    attention_kernels = cpu_kernels if dtype in (torch.float32, torch.bfloat16) else None
+    backend = make_backend(backend_name, attention_kernels)
+    block_size = resolve_block_size(config.block_size, backend, dtype)
+    spec = kv_spec(ckpt.config, block_size, dtype)
+    graphs = uses_graphs(config, device, backend)
+    graph_bytes = graph_bytes_for(config, ckpt.config, spec, max_model_len) if graphs else 0
+    num_blocks = config.num_kv_blocks or spec.num_blocks_for(kv_budget(config, device, graph_bytes))
+    if num_blocks < 1:
+        raise ValueError("kv_cache_memory is smaller than one KV block")
+    num_host_blocks = config.num_host_kv_blocks
+    if num_host_blocks is None:
+        num_host_blocks = spec.num_blocks_for(config.cpu_offload_memory)
+    rope = RotaryEmbedding(ckpt.config, max_model_len, device, dtype)
+    runner = ModelRunner(model, spec, num_blocks, rope, backend, device, num_host_blocks)
+    if graphs:  # captured before any request: at a replica's start, before it is ready
+        runner.enable_decode_graphs(graph_batch_sizes(config.max_num_seqs), max_model_len,
+                                    capture=True)
+    kv_events = KVEvents()  # the cluster turns it on to report to its cache manager
+    host = HostBlockPool(num_host_blocks, kv_events) if num_host_blocks else None
+    block_manager = BlockManager(num_blocks, block_size,
+                                 enable_caching=config.enable_prefix_caching, host=host,
+                                 events=kv_events)
+    eos = eos_ids(ckpt)
+    scheduler = Scheduler(block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                          max_model_len, eos)
+    info = ModelInfo(
+        name=config.model or DEFAULT_MODEL, vocab_size=ckpt.config.vocab_size,
+        max_model_len=max_model_len, rope_parameters=dict(ckpt.config.rope_parameters),
+        dtype=str(dtype).removeprefix("torch."), device=str(device),
+        attention_backend=backend.name, block_size=block_size, num_blocks=num_blocks,
+        num_host_blocks=num_host_blocks,
+        cuda_graph_sizes=tuple(runner.graphs.sizes) if runner.graphs else ())
+    proposer = make_proposer(config, ckpt, draft_checkpoint, model, runner, cpu_kernels, spec,
+                             num_blocks, max_model_len)
+    return EngineParts(ckpt, device, dtype, max_model_len, model, runner, block_manager,
+                       scheduler, kv_events, proposer, eos, spec.bytes_per_block, info)
+
+
+def make_proposer(config: EngineConfig, target: LoadedCheckpoint,
+                  draft: LoadedCheckpoint | None, target_model: CausalLM, runner: ModelRunner,
+                  cpu_kernels: CpuKernels | None, target_spec: KVCacheSpec, num_blocks: int,
+                  max_model_len: int) -> Proposer | None:
+    """The speculative_method's proposer. A draft model gets its own runner and KV pool
+    (as many blocks as the target's), on the target's device and attention backend; the
+    target as its own draft shares its weights."""
+    if config.speculative_method == "ngram":
+        return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    if config.speculative_method != "draft_model":
+        return None
+    if draft is None and config.draft_model is not None:
+        draft = load_checkpoint(config.draft_model)
+    vocab_size = target.config.vocab_size
+    if draft is not None and draft.config.vocab_size != vocab_size:
+        raise ValueError(f"draft_model: its vocabulary has {draft.config.vocab_size} tokens, "
+                         f"the target's {vocab_size}; they must share a tokenizer")
+    draft = draft or target
+    device, dtype, block_size = runner.device, target_spec.dtype, target_spec.block_size
+    model = target_model if draft is target else build_model(draft, device, dtype, cpu_kernels)
+    spec = kv_spec(draft.config, block_size, dtype)
+    rope = RotaryEmbedding(draft.config, max_model_len, device, dtype)
+    draft_runner = ModelRunner(model, spec, num_blocks, rope, runner.backend, runner.device)
+    return DraftModelProposer(draft_runner, BlockManager(num_blocks, block_size))
+
+
+def model_len(config: EngineConfig, hf_config) -> int:
+    """The context length: max_model_len, else the model's, within a sliding window."""
+    length = config.max_model_len or hf_config.max_position_embeddings
+    # sliding-window attention is not implemented: stay within the window, where it is exact
+    window = getattr(hf_config, "sliding_window", None)
+    if window and getattr(hf_config, "use_sliding_window", True):
+        length = min(length, window)
+    return length
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {name!r}")
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+def resolve_block_size(block_size: int | None, backend: PagedAttention,
+                       dtype: torch.dtype) -> int:
+    """What the backend's kernels accept: flash_attn's paged cache needs a multiple of its
+    provider's page size (256), and bf16/fp16. Checked here, so a wrong setting stops the
+    engine (and a replica's start) instead of its first request."""
+    multiple = getattr(backend, "block_multiple", 1)
+    dtypes = getattr(getattr(backend, "provider", None), "dtypes", None)
+    if dtypes is not None and dtype not in dtypes:
+        names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise ValueError(f"attention_backend {backend.name} ({backend.kernel_name}) runs "
+                         f"{names}, not dtype {str(dtype).removeprefix('torch.')}")
+    block_size = block_size or (multiple if multiple > 1 else 16)
+    if block_size % multiple:
+        raise ValueError(f"attention_backend {backend.name} ({backend.kernel_name}) needs "
+                         f"block_size a multiple of {multiple}, not {block_size}")
+    return block_size
+
+
+def cpu_kernels_for(device: torch.device, dtype: torch.dtype) -> CpuKernels | None:
+    """kvserve's C++ kernels where they apply (fp32 and bf16 on a CPU), built at first use.
+    fp16 runs torch's ops and oneDNN: CPUs have no fp16 arithmetic worth a kernel of its own."""
+    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        return None
+    return load_cpu_kernels()
+
+
+def build_model(
+    ckpt: LoadedCheckpoint, device: torch.device, dtype: torch.dtype,
+    cpu_kernels: CpuKernels | None, triton: bool = False,
+) -> CausalLM:
+    """The model in `dtype` on `device`; `triton`: with its Triton kernels (the triton
+    attention backend's model, `CausalLM.use_triton_kernels`)."""
+    key = (device, dtype, cpu_kernels is not None, triton)
+    if key in ckpt.models:  # another engine in this process built it from these tensors
+        return ckpt.models[key]
+    with torch.device("meta"):
+        model = CausalLM(ckpt.config)
+    model = model.to_empty(device=device).to(dtype)
+    if ckpt.config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.load_checkpoint(dict(ckpt.tensors))
+    if triton:
+        model.use_triton_kernels()
+    elif cpu_kernels is not None:
+        model.use_cpu_kernels(cpu_kernels)
+    if device.type == "cpu" and onednn_available(dtype):
+        model.use_onednn_matmuls()
+    ckpt.models[key] = model = model.eval()
+    return model
+
+
+def kv_spec(config, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return KVCacheSpec(
+        config.num_hidden_layers, config.num_key_value_heads, head_dim, block_size, dtype
+    )
+
+
+def kv_budget(config: EngineConfig, device: torch.device, graph_bytes: int = 0) -> int:
+    """The KV pool's bytes: kv_cache_memory as given, else (CUDA) the device's share less what
+    is in use, an activation reserve and what the decode graphs will take (`graph_bytes`)."""
+    if config.kv_cache_memory is not None:
+        return config.kv_cache_memory
+    if device.type != "cuda":
+        return config.cpu_kv_cache_memory
+    free, total = torch.cuda.mem_get_info(device)
+    used = total - free
+    # leave room for activations of a full step: a quarter of what the weights take, at least 1 GiB
+    reserve = max(1024**3, torch.cuda.memory_allocated(device) // 4)
+    return max(0, int(total * config.gpu_memory_utilization) - used - reserve - graph_bytes)
+
+
+def uses_graphs(config: EngineConfig, device: torch.device, backend: PagedAttention) -> bool:
+    """Decode steps replay CUDA graphs: on CUDA, unless enforce_eager, with a backend whose
+    launches depend on the batch size alone (triton)."""
+    return (device.type == "cuda" and not config.enforce_eager
+            and getattr(backend, "supports_cuda_graphs", False))
+
+
+def graph_bytes_for(config: EngineConfig, hf_config, spec: KVCacheSpec,
+                    max_model_len: int) -> int:
+    """`cuda_graphs.graph_memory_bytes` for this model at max_num_seqs rows."""
+    return graph_memory_bytes(
+        config.max_num_seqs, -(-max_model_len // spec.block_size), hf_config.hidden_size,
+        hf_config.num_attention_heads, spec.num_kv_heads, spec.head_dim,
+        hf_config.intermediate_size, spec.dtype)
+
+
+def eos_ids(ckpt: LoadedCheckpoint) -> set[int]:
+    """The model's end-of-sequence tokens: its generation config's and its tokenizer's."""
+    ids: set[int] = set()
+    gen_path = ckpt.path / "generation_config.json"
+    if gen_path.exists():
+        eos = json.loads(gen_path.read_text()).get("eos_token_id")
+        ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if ckpt.tokenizer.eos_token_id is not None:
+        ids.add(ckpt.tokenizer.eos_token_id)
+    return ids
