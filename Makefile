@@ -42,9 +42,9 @@ lint: $(STAMP)
 
 # Two pytest-xdist workers: one core computes while the other's Ray test waits on processes
 # starting, deploying and streaming (tests/conftest.py hands out whole modules). TEST_WORKERS=0
-# runs the suite in one process. Three were tried (2026-12-04, README: ci92-ci95): 12 min 19 s
-# to 13 min 5 s against two workers' 12 min 53 s on the same VM, within its spread, while
-# the shared cluster's Ray tests ran 3-6x longer and one of them failed on an admission timeout.
+# runs the suite in one process. Three workers take 12 min 19 s to 13 min 5 s against two
+# workers' 12 min 53 s on the same VM, within its spread, while the shared cluster's Ray tests
+# run 3-6x longer and can fail on an admission timeout.
 TEST_WORKERS ?= 2
 
 test: lint prepare  ## the whole suite: lint, import contracts, tests

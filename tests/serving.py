@@ -43,13 +43,12 @@ CLUSTER_CPUS = 2  # the session cluster's, this machine's cores
 DEFAULT_APP = {"kv_cache_memory": "512MiB"}
 # The session cluster's replicas allow the admin endpoint (test-only failure injection,
 # kvserve/cluster/deployment.py ADMIN_ENV): tests/test_serve_replica_health.py needs it, and a
-# cluster
-# started again for it alone cost a shutdown and a start (the test took 50-58 s in CI, 28-32 s
-# without)
+# cluster started again for it alone costs a shutdown and a start (the test takes 50-58 s in CI
+# with one, 28-32 s without)
 CLUSTER_ENV = {ADMIN_ENV: "1"}
 # The 2-replica app the routing, exactness and kill tests share
 # max_expected_wait_s: these tests are not about admission, and on a loaded 2-core CI machine a
-# replica measures ~130 prompt tokens/s, so 8 chats' turns would pass the default 30 s (ci45)
+# replica measures ~130 prompt tokens/s, so 8 chats' turns would pass the default 30 s
 TWO_REPLICAS = {"replicas": 2, "num_cpus_per_replica": 1, "kv_cache_memory": "256MiB",
                 "max_expected_wait_s": 600}
 

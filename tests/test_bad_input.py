@@ -1,4 +1,4 @@
-"""Acceptance 6: every bad input gets InvalidRequestError naming its field, while a concurrent
+"""Every bad input gets InvalidRequestError naming its field, while a concurrent
 valid request finishes normally and nothing leaks."""
 
 from __future__ import annotations

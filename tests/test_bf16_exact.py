@@ -3,10 +3,10 @@
 The rule (`kvserve/bench/exactness.py`): where kvserve and transformers first differ, each
 side's token is among the other's top-5 logprobs. Both run bf16 weights, activations and KV
 cache on this CPU; norms and logits in fp32 on both sides. How many prompts match fully is
-printed (run with -s): bf16's rounding parts some texts at a near-tie (measured 2026-12-01 on an
-Intel Xeon with AVX512-BF16: 9/13 identical alone, 9/13 concurrent, every difference within the
-rule). The engine's projections round each output once from an in-order fp32 sum; transformers'
-oneDNN matmuls block the sum differently, so a logit can land one bf16 step away.
+printed (run with -s): bf16's rounding parts some texts at a near-tie (on an Intel Xeon with
+AVX512-BF16: 9/13 identical alone, 9/13 concurrent, every difference within the rule). The
+engine's projections round each output once from an in-order fp32 sum; transformers' oneDNN
+matmuls block the sum differently, so a logit can land one bf16 step away.
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -63,6 +64,27 @@ def test_help_explains_every_flag_of_every_command():
     for flag in ("--max-tokens", "--temperature", "--top-p", "--seed", "--chat", "--json",
                  "--model", "--kv-cache-memory", "--itl-target-ms", "--max-model-len"):
         assert flag in generate, flag
+
+
+def test_every_command_writes_its_reports_outside_the_working_directory(monkeypatch, tmp_path):
+    """Every `--out` (and the evals' own default) is a directory under kvserve's cache, so a
+    command run inside a checkout leaves it clean. Negative control: the former defaults
+    (`trace`, `eval-results/recall`, `loadtest-results`) are relative to the working directory
+    and fail the first assertion."""
+    from kvserve.cli import build_parser
+    from kvserve.evals.factuality.run import FactualityConfig
+    from kvserve.evals.recall import RecallConfig
+
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
+    outs = {path: action.default for path, parser in _leaf_parsers(build_parser())
+            for action in parser._actions if "--out" in action.option_strings}
+    assert {("trace",), ("eval", "recall"), ("eval", "factuality"), ("loadtest",)} <= set(outs)
+    for path, out in outs.items():
+        assert out.is_absolute() and out.is_relative_to(tmp_path / "outputs"), (path, out)
+    assert len(set(outs.values())) == len(outs)  # one directory per command
+    for config in (RecallConfig, FactualityConfig):
+        fields = {f.name: f for f in dataclasses.fields(config)}
+        assert fields["out"].default_factory().is_relative_to(tmp_path / "outputs")
 
 
 def test_generate_json_matches_the_engine(real_engine):

@@ -1,4 +1,4 @@
-"""Issue #5 end to end on SmolLM2 on the CPU: the eval commands give the same per-sample greedy
+"""The eval commands end to end on SmolLM2 on the CPU: they give the same per-sample greedy
 answers as transformers' `generate()` on the same prompts, write every output file, and the
 recall run over gRPC (a local deployment) answers exactly as in-process."""
 

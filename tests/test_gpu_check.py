@@ -168,9 +168,9 @@ def test_capped_throughput_stops_at_the_cap_and_aborts_the_rest():
 @pytest.mark.parametrize("make_plan", [gpu_check.gpu_plan, gpu_check.dry_run_plan],
                          ids=["gpu", "dry_run"])
 def test_every_exactness_prompt_fits_each_models_context(make_plan):
-    """The first H200 run (2026-12-04) lost the tiny Llama's exactness to its own plan: a
-    511-token prompt + 32 new tokens past the tiny config's 512 positions, which the engine
-    refuses (and transformers only warns about). Checked here, on the CPU, for both plans."""
+    """Every exactness prompt plus its new tokens fits each model's positions, checked on the
+    CPU for both plans. Negative control: with the tiny config's 512 positions, a 511-token
+    prompt + 32 new tokens fails here (the engine refuses it; transformers only warns)."""
     from kvserve.workers.model_executor.tiny import tiny_config
 
     plan = make_plan()
@@ -181,10 +181,10 @@ def test_every_exactness_prompt_fits_each_models_context(make_plan):
 
 
 def test_the_generate_batch_config_takes_the_installed_transformers_names(monkeypatch):
-    """transformers 5.17 (the H200 machine's, 2026-12-04) names the page `block_size` and has
-    no `auto_switch_to_flash`; 5.25 (here) says `page_size`. `cb_config_for` passes each
-    version what its ContinuousBatchingConfig takes (the first H200 run lost its baseline to
-    `page_size`)."""
+    """transformers 5.17 names the page `block_size` and has no `auto_switch_to_flash`; 5.25
+    says `page_size`. `cb_config_for` passes each version what its ContinuousBatchingConfig
+    takes. Negative control: a `cb_config_for` that always passes `page_size` fails here with
+    `Old`'s TypeError."""
     import types
 
     import transformers

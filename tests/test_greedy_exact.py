@@ -1,4 +1,4 @@
-"""Acceptance 1: greedy decoding is token-identical to transformers' greedy decoding.
+"""Greedy decoding is token-identical to transformers' greedy decoding.
 
 Any divergence fails. Where the two first differ, the message says whether transformers' own
 logits show a near-tie there (the two candidate tokens' log-probabilities within `NEAR_TIE`, as

@@ -137,7 +137,7 @@ def test_summary_counts_every_stream_that_ended_not_locusts_early_csv(tmp_path):
 
 def test_the_watch_counts_replicas_and_the_load_plot_shows_them_with_users_and_refusals(
         tmp_path):
-    """Autoscaling's record (#21): the replica count each time the watch samples, the users and
+    """Autoscaling's record: the replica count each time the watch samples, the users and
     cumulative failures from Locust's history rows, and a plot of the three."""
     from kvserve.bench.loadtest import _changes, format_summary, load_history, plot_load
     from kvserve.cluster.memory_watch import MemoryWatch
@@ -169,9 +169,8 @@ def test_the_watch_counts_replicas_and_the_load_plot_shows_them_with_users_and_r
 
 
 def test_refusals_are_counted_under_the_replica_count_serving_when_each_stream_ended():
-    """Whether refusals fell as replicas came up (#21): each stream's end goes to the replica
-    count sampled last before it; refusals are RESOURCE_EXHAUSTED or HTTP 429, not other
-    failures."""
+    """Whether refusals fall as replicas come up: each stream's end goes to the replica count
+    sampled last before it; refusals are RESOURCE_EXHAUSTED or HTTP 429, not other failures."""
     from kvserve.bench.loadtest import format_summary, refusals_by_replicas
 
     replicas = [[0.0, 1], [2.0, 1], [4.0, 2], [6.0, 3], [8.0, 3]]

@@ -148,8 +148,9 @@ def test_free_port_never_hands_out_a_port_already_taken(monkeypatch):
 
 
 def test_rays_head_never_listens_on_the_ports_serve_will_bind(monkeypatch, tmp_path):
-    """A CI run's `kvserve up --grpc-port P` started a Ray head whose GCS drew P too: Serve's
-    gRPC proxy then failed to bind. `start` hands its ports to the head as taken."""
+    """A Ray head's GCS may draw the port P of `kvserve up --grpc-port P`, and Serve's gRPC
+    proxy then fails to bind. `start` hands its ports to the head as taken. Negative control:
+    without them taken, the head's first drawn port is 51221 and the first assertion fails."""
     from kvserve.cli import launch
     from kvserve.cluster.app import AppConfig
 
@@ -217,7 +218,7 @@ def interrupted_popen(monkeypatch) -> list[subprocess.Popen]:
     def popen_then_interrupted(cmd, **kwargs):
         # SIGTERM's default action from before the exec, as `ray start` handles it (a
         # pytest-xdist worker's children inherit it ignored; set inside the stand-in, a SIGTERM
-        # before its interpreter started was lost: ci72)
+        # that arrives before its interpreter starts is lost)
         kwargs["preexec_fn"] = lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL)
         started.append(real_popen([sys.executable, "-c", "import time; time.sleep(60)", *cmd],
                                   **kwargs))
@@ -231,8 +232,9 @@ def interrupted_popen(monkeypatch) -> list[subprocess.Popen]:
 
 
 def test_an_interrupt_inside_popen_still_stops_the_head_it_started(interrupted_popen):
-    """The head is found by its temp dir and stopped (ci70: `kvserve loadtest` ended by SIGTERM
-    while its head started; the head outlived it)."""
+    """A SIGTERM while the head starts (e.g. to `kvserve loadtest`) leaves no `proc`; the head
+    is found by its temp dir and stopped. Negative control: stopping only `proc`'s pid, the
+    stand-in outlives the interrupt and `head.wait` times out."""
     with pytest.raises(KeyboardInterrupt):
         local_head.start_head(1, dashboard=False)
     [head] = interrupted_popen

@@ -1,4 +1,4 @@
-"""Many nodes, simulated (#21): one cluster for the module, `kvserve up --detach --local-nodes 3
+"""Many nodes, simulated: one cluster for the module, `kvserve up --detach --local-nodes 3
 --gpus-per-node 1`: a head and two worker nodes on this machine, separate raylets, each
 declaring one logical GPU; three replicas with one GPU each, the real model.
 
@@ -212,8 +212,8 @@ import time; time.sleep(3)  # the log monitor publishes what it reads every ~0.1
 
 def test_a_driver_gets_each_line_its_workers_print_once_from_every_node(sim: SimCluster):
     """The nodes share the head's session directory on this machine, so only the head runs a
-    log monitor (kvserve/cluster/local_head.start_worker_nodes). Negative control, measured by hand
-    (2026-12-04): with a monitor on every node, each line reached the driver three times."""
+    log monitor (kvserve/cluster/local_head.start_worker_nodes). Negative control, by hand: with
+    a monitor on every node, each line reaches the driver three times."""
     out = subprocess.run([sys.executable, "-c", PRINTING_DRIVER, sim.state.address],
                          capture_output=True, text=True, timeout=120,
                          env=sim.env | (sim.state.env or {}) | {"RAY_DEDUP_LOGS": "0"})
@@ -294,10 +294,10 @@ def _kill_node(node_pid: int) -> None:
 
 
 def test_a_worker_node_killed_mid_stream(sim: SimCluster):
-    """Item 3 of #21. Streams on the dead node's replica end UNAVAILABLE; the others go on;
-    its index entries vanish within the lease; new requests succeed; no block leaks. The
-    replacement cannot be placed while the node is down (each surviving node's one GPU is
-    taken: Ray's GPU accounting holds), and lands on the node once it rejoins."""
+    """Streams on the dead node's replica end UNAVAILABLE; the others go on; its index entries
+    vanish within the lease; new requests succeed; no block leaks. The replacement cannot be
+    placed while the node is down (each surviving node's one GPU is taken: Ray's GPU accounting
+    holds), and lands on the node once it rejoins."""
     state = sim.state
     expected = sim.greedy("The capital of France is")
     streams = _Streams(sim, STREAMS)
@@ -404,11 +404,11 @@ def _settled_on_one_replica(sim: SimCluster, timeout_s: float = 120) -> dict:
 
 def test_the_serve_yamls_deploy_onto_the_cluster_unchanged_but_for_the_model(
         sim: SimCluster, model_dir: Path):
-    """Item 5 of #21: infra/serve/cpu.yaml's application as it is (its model null: the
-    default), then gpu.yaml's with only the model replaced (Llama-3-8B is not here), rolled onto
-    the running cluster by `kvserve deploy`; their ports and proxy options are the running
-    Serve instance's. gpu.yaml's replica takes a logical GPU and 4 CPUs, and runs its CUDA
-    settings on the CPU, saying what it gave up (kvserve/cluster/deployment.py on_logical_gpus)."""
+    """infra/serve/cpu.yaml's application as it is (its model null: the default), then
+    gpu.yaml's with only the model replaced (Llama-3-8B is not here), rolled onto the running
+    cluster by `kvserve deploy`; their ports and proxy options are the running Serve instance's.
+    gpu.yaml's replica takes a logical GPU and 4 CPUs, and runs its CUDA settings on the CPU,
+    saying what it gave up (kvserve/cluster/deployment.py on_logical_gpus)."""
     before = {r["replica_id"] for r in sim.status()["replicas"]}
     deploy = sim.kvserve("deploy", "--config", str(INFRA_SERVE / "cpu.yaml"))
     assert deploy.returncode == 0, deploy.stdout + deploy.stderr
@@ -433,28 +433,20 @@ def test_the_serve_yamls_deploy_onto_the_cluster_unchanged_but_for_the_model(
 
 def test_autoscaling_follows_a_load_ramp_across_nodes_and_back(sim: SimCluster,
                                                                tmp_path: Path):
-    """Item 4 of #21: `kvserve deploy` with autoscaling 1-3; a `kvserve loadtest` ramp drives
-    the replica count up (onto other nodes: one GPU each) and it returns to 1 after the load.
-    The load test's summary records the replica count over time and plots it.
+    """`kvserve deploy` with autoscaling 1-3; a `kvserve loadtest` ramp drives the replica count
+    up (onto other nodes: one GPU each) and it returns to 1 after the load; the summary records
+    and plots the count over time. Refusals fall as replicas come up: the refused share of stream
+    ends under each count (`refusals_by_replicas`) is at most 0.2 while two or more serve, and
+    under half its one-replica share.
 
-    Refusals fall as replicas come up: a replica admits 4 requests (2 running, 2 waiting), Serve
-    sends it no more (`max_ongoing_requests` 4, trying the other replicas first) and holds one
-    more (`max_queued_requests` 1): one replica takes 5 users (a user sends again as soon as its
-    stream ends), two take 10. The load rises one user a second to 8 (`--spawn-rate 1`), then
-    holds for the rest of the 48 s: one replica is overloaded from 5 s in, and stays alone until
-    a second comes up, at the earliest ~12 s after Serve adds it (~3 s in, 1 s after the load
-    passes one request per replica). (A rise over the first half, 24 s, let the second replica
-    come up before one was overloaded on fast runs: ci66 refused 0 of 10 at one replica. A new
-    replica took 12-31 s to come up here, 9.5 s of it the worker process starting; a 16 s hold
-    left a CI run only 9 streams with two replicas, and a 20 s hold with a 4 s upscale delay
-    left ci59 4, the second replica up 41.6 s into a 40 s load.) The summary counts every
-    stream's end under the replica count serving then (`refusals_by_replicas`), refused or not;
-    the refused share must be at most 0.2 while two or more served, and under half its share at
-    one. Negative control, measured by hand (2026-12-03, these settings less the two Serve
-    limits, so Serve's default `max_ongoing_requests` 256): Serve sent requests to a full
-    replica, which refused them while another had room, and the share went only from 0.53 at
-    one replica to 0.28 at two or three (0.67 to 0.50 with the slower rise), failing both
-    bars."""
+    A replica admits 4 requests and Serve queues one more (`max_ongoing_requests` 4,
+    `max_queued_requests` 1): one replica takes 5 users, two take 10. The load rises one user a
+    second to 8 and holds for the rest of 48 s, so one replica is overloaded from 5 s in; a new
+    replica takes 12-31 s to come up, so a slower rise lets it come up before the first is
+    overloaded, and a shorter hold leaves too few streams at two replicas. Negative control, by
+    hand: without the two Serve limits (`max_ongoing_requests` 256), Serve sends to a full replica
+    while another has room, and the share goes only from 0.53 at one replica to 0.28 at two or
+    three, failing both bars."""
     config = tmp_path / "autoscaling.yaml"
     config.write_text(AUTOSCALING)
     deploy = sim.kvserve("deploy", "--config", str(config))

@@ -1,4 +1,4 @@
-"""The host tier of the KV cache (issue #4): demoted cached blocks come back by copy, preempted
+"""The host tier of the KV cache: demoted cached blocks come back by copy, preempted
 requests are swapped out and in instead of recomputed, and outputs never change."""
 
 from __future__ import annotations
@@ -198,12 +198,12 @@ def test_host_tier_hits_are_token_identical(real_engine, real_checkpoint):
 
 def test_swap_under_pressure_keeps_32_outputs_identical_to_solo_runs(real_engine,
                                                                     real_checkpoint):
-    """Acceptance 3: the device pool fits a quarter of the working set, the host tier the rest.
+    """The device pool fits a quarter of the working set, the host tier the rest.
 
     Prompts of ~160 tokens (10+ blocks each) and 32 new tokens: the decodes outgrow the pool
-    while earlier requests hold their blocks, so requests are preempted and swapped (measured
-    on the Zen 4 VM, 2026-12-04: 4 preemptions, 37 blocks swapped out). The 330-token prompts
-    and 16 new tokens this test had before swapped 3 blocks once, at twice the prefill cost."""
+    while earlier requests hold their blocks, so requests are preempted and swapped (on a Zen 4
+    VM: 4 preemptions, 37 blocks swapped out). Longer prompts with fewer new tokens (330 and 16)
+    swap only 3 blocks once, at twice the prefill cost."""
     prompts = [long_prompt(i, sentences=6) for i in range(32)]
     params = {**GREEDY, "max_tokens": 32}
     requests = [{"prompt": p, "params": params, "request_id": f"r{i}"}

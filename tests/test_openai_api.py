@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP API (#18) over the real model, served by uvicorn on loopback and
+"""The OpenAI-compatible HTTP API over the real model, served by uvicorn on loopback and
 called with the official `openai` package: the same FastAPI app every Serve replica mounts
 (tests/test_serve_openai.py checks it behind Serve's proxy)."""
 
@@ -264,7 +264,7 @@ def test_admission_refusal_is_429_with_retry_after(real_checkpoint):
         assert sum(1 for r in results if not isinstance(r, Exception)) == 2
 
 
-# --- API keys and tenants (#18) ----------------------------------------------------------------
+# --- API keys and tenants ---------------------------------------------------------------------
 
 LONG_PROMPT = " ".join(f"Line {i}: the quarterly ledger balanced to the cent." for i in range(12))
 

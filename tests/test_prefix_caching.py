@@ -1,4 +1,4 @@
-"""Prefix caching (issue #4, first part): reused KV blocks give token-identical outputs, tenants
+"""Prefix caching: reused KV blocks give token-identical outputs, tenants
 (cache_salt) never share blocks, and every block of an ended request is free or cached."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The embedded redis-server's lifetime (issue #14): it dies with the process that started it,
+"""The embedded redis-server's lifetime: it dies with the process that started it,
 however that process dies, and a stale one (its owner gone) is shut down and replaced, never
 silently adopted. Real redis-server processes throughout."""
 

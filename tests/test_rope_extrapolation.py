@@ -8,11 +8,11 @@ llama3's original length), and transformers' `generate()` stays a few seconds.
 
 The engine prefills the prompt in four 128-token chunks, as a serving engine does; transformers
 runs it as one forward call. Greedy tokens must be equal (a difference only at a proven near-tie,
-where the reference's top two logprobs are within `NEAR_TIE`), and the logprobs close. Before
-the engine rotated every prompt token for the whole prompt's length (kvserve/workers/model_executor/
-rope.py), dynamic NTK failed here: its first chunks kept the unscaled base. (At these lengths,
-2026-12-04: rotating each chunk's prompt tokens for the length the prompt had reached instead
-fails dynamic:2 and longrope:2.)
+where the reference's top two logprobs are within `NEAR_TIE`), and the logprobs close.
+
+Negative control: with kvserve/workers/model_executor/rope.py rotating each chunk's prompt tokens
+for the length the prompt had reached, instead of the whole prompt's length, dynamic:2 and
+longrope:2 fail here (dynamic NTK's first chunks keep the unscaled base).
 """
 
 from __future__ import annotations

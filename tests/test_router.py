@@ -348,9 +348,9 @@ def test_a_full_holder_is_skipped_by_serve(monkeypatch):
 
 def test_a_holder_slow_to_tell_its_queue_length_still_gets_its_request(monkeypatch):
     """A replica busy with a prefill may take longer than Serve's 0.1 s to answer the queue
-    length probe; Serve then passes it over, and the prompt is prefilled cold elsewhere (ci67's
-    routed multi-turn test). The router's deadline (0.5 s) waits for the holder; Serve's own
-    deadline, the negative control, sends the request to the cold replica."""
+    length probe; Serve then passes it over, and the prompt is prefilled cold elsewhere. The
+    router's deadline (0.5 s) waits for the holder. Negative control: with Serve's own deadline
+    (0.1 s), the request goes to the cold replica."""
     use_manager(monkeypatch, FakeManager({"a": HASHES}))
 
     async def run(**settings: Any) -> str:
@@ -417,8 +417,9 @@ def test_a_dead_manager_is_looked_up_again_at_once_then_its_successor_is_used(mo
 def test_concurrent_calls_to_a_dead_manager_look_up_its_successor_at_once(monkeypatch):
     """After a redeploy, requests in flight together all find the old manager dead. Only the
     first failure decides what happens (look the name up again at once); the others must not
-    count as a second death in a row, which would ignore the successor for manager_retry_s
-    (seen in ci67-ci69's proxy logs: "routing on load for 0 s", then "for 5 s")."""
+    count as a second death in a row, which would ignore the successor for manager_retry_s.
+    Negative control: with each concurrent failure counted, the request after them goes to the
+    least-loaded replica b, not the holder."""
     from ray.exceptions import ActorDiedError
 
     old = FakeManager({"a": HASHES}, delay_s=0.05)

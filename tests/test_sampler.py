@@ -2,8 +2,8 @@
 SamplingParams validation.
 
 Expected values are computed by hand, with plain torch (softmax / log_softmax / argmax), or with
-the per-row reference below (the sampler as it was before it was batched, drawing by inverse CDF
-from the same one uniform per row), never with the sampler itself.
+the per-row reference below (an unbatched sampler, drawing by inverse CDF from the same one
+uniform per row), never with the sampler itself.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 3's status codes through Ray Serve's proxy: RESOURCE_EXHAUSTED when a replica's
+"""The serving status codes through Ray Serve's proxy: RESOURCE_EXHAUSTED when a replica's
 admission queue is full, UNAVAILABLE for the streams a shutting-down replica still holds
 (Serve stops it after `graceful_shutdown_timeout_s`; kvserve.cluster.grpc_ingress maps the
 death)."""

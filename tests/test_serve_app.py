@@ -38,11 +38,11 @@ keys:
 def served(tmp_path_factory) -> Served:
     # two sequences at a time, so that a third request waits (the waiting gauge is exercised)
     # a deep queue: the cancel tests offer far more than 2 streams at once
-    # API keys (#18): every test calls with tenant acme's key (`served.api_key`), but the
+    # API keys: every test calls with tenant acme's key (`served.api_key`), but the
     # key tests at the end
     keys = tmp_path_factory.mktemp("keys") / "keys.yaml"
     keys.write_text(KEYS)
-    # prompt-lookup speculation on (#20): set in AppConfig, it must reach the replica's engine
+    # prompt-lookup speculation on: set in AppConfig, it must reach the replica's engine
     # and its metrics, and change no greedy token the tests below compare
     with serve_locally({"kv_cache_memory": "256MiB", "max_num_seqs": 2,
                         "max_waiting_requests": 64, "api_keys_file": str(keys),
@@ -82,7 +82,7 @@ def test_cancelled_stream_frees_its_blocks_on_the_replica(served):
     next(call)
     assert handle.kv_cache_usage.remote().result() > 0
     call.cancel()
-    assert _wait_kv_free(handle) == 0  # within a second, as the issue asks
+    assert _wait_kv_free(handle) == 0  # within a second: a cancel frees its KV at once
 
 
 def test_model_info_through_the_proxy(served):
@@ -241,7 +241,7 @@ def test_deadline_exceeded_aborts_the_request_and_frees_its_blocks(served):
     assert _wait_kv_free(served.handle) == 0
 
 
-# --- the OpenAI-compatible HTTP API behind Serve's HTTP proxy (#18) ---------------------------
+# --- the OpenAI-compatible HTTP API behind Serve's HTTP proxy --------------------------------
 
 def _openai(served: Served, api_key: str | None = None) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{served.http_url}/v1", api_key=api_key or served.api_key,
@@ -324,7 +324,7 @@ def test_http_client_that_disconnects_mid_stream_frees_its_blocks_on_the_replica
     assert _wait_kv_free(served.handle, timeout=2.0) == 0
 
 
-# --- API keys and tenants (#18): both protocols on this deployment ---------------------------
+# --- API keys and tenants: both protocols on this deployment --------------------------------
 
 LONG = " ".join(f"Entry {i}: the ledger for account {i} balanced." for i in range(12))
 

@@ -1,4 +1,4 @@
-"""Issue #15 item 6 over real Ray Serve: every replica runs a warm-up request before it takes
+"""Replica health over real Ray Serve: every replica runs a warm-up request before it takes
 traffic and leaves nothing of it behind; a replica whose engine step loop died fails Serve's
 health check and is replaced, after which requests succeed again."""
 

@@ -1,5 +1,5 @@
-"""Issue 3, acceptance 4: killing one replica's process mid-stream ends that client's stream with
-an error status (not a hang); Serve replaces the replica and new requests succeed."""
+"""Killing one replica's process mid-stream ends that client's stream with an error status
+(not a hang); Serve replaces the replica and new requests succeed."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Issue 3, acceptance 1: two replicas serve 16 concurrent streaming gRPC clients; every greedy
-output equals the in-process engine's; both replicas receive traffic (seen in their metrics)."""
+"""Two replicas serve 16 concurrent streaming gRPC clients; every greedy output equals the
+in-process engine's; both replicas receive traffic (seen in their metrics)."""
 
 from __future__ import annotations
 

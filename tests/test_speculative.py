@@ -1,4 +1,4 @@
-"""Speculative decoding (issue #20): proposers, exact verification, the ledger, the surfaces.
+"""Speculative decoding: proposers, exact verification, the ledger, the surfaces.
 
 The engine under test is the tiny random model, made peaked (`initializer_range` 1.0 over a
 1,024-token vocabulary) so that sampled distributions have few enough outcomes for a chi-square
@@ -31,7 +31,7 @@ VOCAB = 1024
 BLOCK = 4
 NGRAM = {"speculative_method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 2}
 DRAFT = {"speculative_method": "draft_model"}
-# three sampling settings, as the issue names them
+# three sampling settings, one per filter (top-p, top-k with a repetition penalty, min-p)
 SAMPLED = {
     "temperature+top_p": {"temperature": 0.9, "top_p": 0.8},
     "top_k+repetition_penalty": {"temperature": 1.0, "top_k": 8, "repetition_penalty": 1.3},

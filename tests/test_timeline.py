@@ -1,4 +1,4 @@
-"""The step recorder and request timelines (#19): a scripted schedule, recorded and exported as
+"""The step recorder and request timelines: a scripted schedule, recorded and exported as
 a Chrome trace, matches the scheduler's own decisions event for event."""
 
 from __future__ import annotations

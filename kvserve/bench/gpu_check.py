@@ -20,7 +20,7 @@ rewritten after every section so that a run cut short still leaves what it measu
    default CUDA path: auto backend, graphs) at 1, 32 and 256 requests against transformers'
    `generate_batch` and batched `generate()`; batch-1 decode against the HBM bound (graphs and
    eager); one decode step's time split into schedule / prepare / model / sample, and its
-   host time against the GPU's busy time (torch.profiler); the issue's targets, met or not.
+   host time against the GPU's busy time (torch.profiler); the check's targets, met or not.
 
 Every section is isolated: one that fails records its error and traceback, and the rest run.
 No files are read from outside the repository: models are random, the tokenizer is built in
@@ -109,8 +109,8 @@ class Plan:
 
 
 def gpu_plan() -> Plan:
-    # the tiny config's 512 positions would refuse the 600-token prompt (seen on the first H200
-    # run, 2026-12-04): every exactness prompt plus its new tokens must fit each model
+    # the tiny config's 512 positions would refuse the 600-token prompt: every exactness prompt
+    # plus its new tokens must fit each model
     models = {f"tiny_llama_init{TINY_INIT}": {"initializer_range": TINY_INIT,
                                                "max_position_embeddings": 1024}}
     models.update({f"smollm2_shape_init{r}": {**SMOLLM2_SHAPE, "initializer_range": r}

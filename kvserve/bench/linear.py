@@ -1,4 +1,4 @@
-"""GFLOP/s of the CPU projection paths on SmolLM2-135M's shapes, to choose between them (#15).
+"""GFLOP/s of the CPU projection paths on SmolLM2-135M's shapes, to choose between them.
 
     python -m kvserve.bench.linear [--rows 1 8 32 128 512] [--seconds 0.3] [--threads 1]
 

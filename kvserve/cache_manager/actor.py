@@ -46,8 +46,8 @@ def manager_name(deployment: str) -> str:
 # Why two groups: a threaded actor runs one group's calls in order on its thread. Reports keep
 # that order (a replica's deltas apply in sequence); the routers' reads get a thread of their
 # own, so a `match` does not queue behind reports being written to Redis. On a loaded 2-core
-# host a match waiting behind them passed the router's 0.5 s deadline (CI run ci86), and the
-# proxy routed on load, away from the replica holding the prompt, for the next 5 s. The reads
+# host a match waiting behind them can pass the router's 0.5 s deadline, and the proxy then
+# routes on load, away from the replica holding the prompt, for the next 5 s. The reads
 # only read Redis (redis-py's client is thread-safe) and one attribute.
 ROUTING_GROUP = "routing"
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from kvserve.cli.engine_args import add_engine_args, engine_kwargs
 from kvserve.cli.types import count_at_length, floats, length_counts, token_lengths, words
+from kvserve.workers.config import output_dir
 
 
 def add_eval(sub) -> None:
@@ -23,8 +24,9 @@ def _add_common(p: argparse.ArgumentParser, out: str, samples_help: str) -> None
                    help="ask a running deployment (`kvserve up`) instead of loading the model")
     p.add_argument("--samples", type=int, default=None, help=samples_help)
     p.add_argument("--seed", type=int, default=0, help="sample construction seed (default 0)")
-    p.add_argument("--out", type=Path, default=Path(out),
-                   help=f"output directory (default {out}); rerunning with it resumes")
+    p.add_argument("--out", type=Path, default=output_dir(out),
+                   help=f"output directory (default: outputs/{out} in kvserve's cache, "
+                        "$KVSERVE_CACHE_DIR or ~/.cache/kvserve); rerunning with it resumes")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     # the in-process engine's model and pool (eval's own default: kvserve.workers.config)
     add_engine_args(p, "eval", only=("model", "kv_cache_memory", "enable_prefix_caching",
@@ -57,7 +59,7 @@ def _add_recall(evals) -> None:
                    help="what the needles' values are (default numbers)")
     r.add_argument("--threshold", type=float, default=85.6,
                    help="effective length: the longest length scoring at least this (0-100)")
-    _add_common(r, "eval-results/recall", "samples per (length, depth) cell (default 5)")
+    _add_common(r, "eval/recall", "samples per (length, depth) cell (default 5)")
     r.add_argument("--crosscheck", default=None, type=count_at_length, metavar="N@LEN",
                    help="after answering, run transformers' generate() on N answered samples "
                         "of each variant at length LEN and compare tokens (e.g. 3@12k); the "
@@ -85,7 +87,7 @@ def _add_factuality(evals) -> None:
     f.add_argument("--sweep", default=None,
                    help="sampling settings to compare, e.g. temperature=0,0.3,0.7,1.0 "
                         "(several: temperature=0,0.7;top_p=0.9,1.0 gives their product)")
-    _add_common(f, "eval-results/factuality",
+    _add_common(f, "eval/factuality",
                 "questions (closed_book) and reports (grounded) per setting (default 100)")
     f.set_defaults(run=_run_factuality)
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvserve.cli.types import positive_float, positive_ints, seconds
+from kvserve.workers.config import output_dir
 
 if TYPE_CHECKING:
     from kvserve.cluster.local_head import UpState
@@ -69,8 +70,9 @@ def add_loadtest(sub) -> None:
     p.add_argument("--max-rss-growth", type=float, default=None, metavar="PCT",
                    help="exit 1 if a replica's memory grew more than PCT%% after warm-up")
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
-    p.add_argument("--out", type=Path, default=Path("loadtest-results"),
-                   help="directory for the reports (default loadtest-results)")
+    p.add_argument("--out", type=Path, default=output_dir("loadtest"),
+                   help="directory for the reports (default: outputs/loadtest in kvserve's "
+                        "cache, $KVSERVE_CACHE_DIR or ~/.cache/kvserve)")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     p.set_defaults(run=run_loadtest)
 

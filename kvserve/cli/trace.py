@@ -12,8 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from kvserve.cli.engine_args import add_engine_args, engine_config
-
-DEFAULT_OUT = Path("trace")
+from kvserve.workers.config import output_dir
 
 
 def add_trace(sub) -> None:
@@ -32,8 +31,9 @@ def add_trace(sub) -> None:
                    help="the i-th prompt arrives at step i*STEPS (default 0: all at once)")
     p.add_argument("--max-tokens", type=int, default=32,
                    help="tokens to generate per prompt, greedy (default 32)")
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT,
-                   help=f"output directory (default ./{DEFAULT_OUT})")
+    p.add_argument("--out", type=Path, default=output_dir("trace"),
+                   help="output directory (default: outputs/trace in kvserve's cache, "
+                        "$KVSERVE_CACHE_DIR or ~/.cache/kvserve)")
     p.add_argument("--explain", default=None, metavar="PROMPT",
                    help="print this one request step by step: input ids, each layer's KV "
                         "cache, blocks read and written, RoPE positions, the sampled token and "

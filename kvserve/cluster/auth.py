@@ -11,7 +11,7 @@ Why digests: the ring holds SHA-256 digests, never keys, so what is shared with 
 and compared with every digest with `hmac.compare_digest`, so the time taken says nothing about
 how much of a key matched, or which key.
 
-With no keys the service is open, as before keys existed. No Ray, gRPC or HTTP here: both
+With no keys configured the service is open. No Ray, gRPC or HTTP here: both
 ingress paths (the gRPC proxy, the replicas' HTTP app) call `authenticate`.
 """
 

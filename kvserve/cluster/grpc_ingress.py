@@ -4,7 +4,7 @@ Ray Serve 2.60's proxy streams a response from an async generator. When a client
 its deadline passes) while the proxy is writing a message, gRPC cancels the handler task
 outside that generator; the generator is closed later with GeneratorExit, which the proxy's
 `send_request_to_replica` catches without cancelling the replica's request. Measured: about
-one cancel in five was lost this way and the request ran to `max_tokens`, holding KV blocks
+one cancel in five is lost this way and the request runs to `max_tokens`, holding KV blocks
 and a batch slot.
 
 The fix here: each streaming handler the proxy builds is driven by a pump task that is only

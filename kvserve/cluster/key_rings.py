@@ -4,8 +4,8 @@ key-value store, one entry per application, holding digests only (`KeyRing.to_js
 A replica publishes its application's ring when it starts (all replicas of one application
 load the same keys, so the last writer writes what the first did); the proxy reads it,
 refreshing every `REFRESH_S`, so a redeploy with new keys applies within that. An
-application that never published a ring (or published an empty one) is open, as before keys
-existed.
+application that never published a ring (or published an empty one) is open, as one
+configured without keys is.
 """
 
 from __future__ import annotations

@@ -149,15 +149,14 @@ def disconnect_driver() -> None:
 
 # Ray's fixed default ports (GCS, dashboard, client server, dashboard agent): Ray's processes
 # bind them after a caller picked its ports, so a port picked free may not stay free. The agent's
-# 52365 lies in Linux's ephemeral range: CI once drew it for Serve's gRPC proxy, which then
-# failed to bind.
+# 52365 lies in Linux's ephemeral range: drawn for Serve's gRPC proxy, it would fail to bind.
 RAY_DEFAULT_PORTS = frozenset({6379, 8265, 10001, 52365})
 
 
 def free_port(taken: set[int] | None = None) -> int:
     """A port free on loopback now, never one of Ray's own defaults nor one in `taken`: ports
-    already handed out but not bound yet, which the kernel may draw again (a CI run's GCS drew
-    the gRPC port the caller had picked). The port is added to `taken`."""
+    already handed out but not bound yet, which the kernel may draw again (the GCS could draw
+    the gRPC port the caller has picked). The port is added to `taken`."""
     taken = set() if taken is None else taken
     while True:
         with socket.socket() as s:
@@ -245,7 +244,7 @@ def start_head(num_cpus: int, timeout: float = 120, fate_share: bool = False,
             time.sleep(0.2)
     except BaseException:  # a failure, or an interrupt (Ctrl-C, SIGTERM) while it starts
         # An interrupt inside Popen, after the child exec'd but before Popen returned (the
-        # parent still waiting to be scheduled on a busy host: ci70), leaves no `proc`: the
+        # parent still waiting to be scheduled on a busy host), leaves no `proc`: the
         # head is found by its temp dir.
         heads = [proc.pid] if proc is not None else pids_with("start --head", temp_dir)
         for pid in heads:

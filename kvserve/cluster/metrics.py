@@ -22,15 +22,15 @@ METRIC_NAMES = (
     "kvserve_e2e_request_latency_seconds", "kvserve_num_requests_running",
     "kvserve_num_requests_waiting", "kvserve_kv_cache_usage_perc", "kvserve_prompt_tokens_total",
     "kvserve_generation_tokens_total", "kvserve_request_success_total",
-    # the step-time breakdown (#19): seconds per step phase, and steps run
+    # the step-time breakdown: seconds per step phase, and steps run
     "kvserve_step_phase_seconds_total", "kvserve_engine_steps_total",
-    # speculative decoding (#20), vLLM's spec_decode counters: acceptance rate is accepted /
+    # speculative decoding, vLLM's spec_decode counters: acceptance rate is accepted /
     # draft tokens, mean accepted length 1 + accepted / drafts
     "kvserve_spec_decode_num_drafts_total", "kvserve_spec_decode_num_draft_tokens_total",
     "kvserve_spec_decode_num_accepted_tokens_total",
     "kvserve_spec_decode_num_accepted_tokens_per_pos_total",
 )
-# the KV cache's own (issue #4): tokens for prefix caching, blocks and bytes for the host tier
+# the KV cache's own: tokens for prefix caching, blocks and bytes for the host tier
 KV_CACHE_METRIC_NAMES = (
     "kvserve_prefix_cache_queries_total", "kvserve_prefix_cache_hits_total",
     "kvserve_kv_host_cache_usage_perc", "kvserve_kv_blocks_offloaded_total",

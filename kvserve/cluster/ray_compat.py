@@ -145,7 +145,7 @@ NO_WORKER_PRESTART_ENV = {f"RAY_{name}": str(int(value))
 # Why: an idle Serve instance polls. Its controller runs its control loop every 0.1 s (each
 # iteration asks the GCS for every node's resources), and each replica and proxy exports its
 # cached request metrics every 0.1 s. On the 2-core CI machine that is ~3.5 % of a core per
-# cluster doing nothing (measured 2026-12-04 with one 2-replica app idle: 16.3 % of a core in
+# cluster doing nothing (measured with one idle 2-replica app: 16.3 % of a core in
 # all, 12.9 % with these), all through the suite. Serve reads both from the environment at
 # import (ray.serve._private.constants), with no public option. Slower by at most 0.15 s to act
 # on a change, and by 0.9 s to show a request in Prometheus. Test clusters only: `kvserve up`

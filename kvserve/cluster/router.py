@@ -67,9 +67,9 @@ DEFAULT_IMBALANCE_THRESHOLD = 8.0
 DEFAULT_MANAGER_TIMEOUT_S = 0.5  # per call to the cache manager; past it, route on load
 # How long a replica has to say how many requests it holds before Serve's routing passes it
 # over (Serve's default: 0.1 s, doubling on retries up to 1 s). A replica busy with a prefill
-# answers slower than that on a loaded host (ci67: four probes of a holder missed 0.1 s at
-# once, and a chat's turn was prefilled cold on the other replica, 561 tokens, 2 s); passing
-# over the holder costs a whole prefill, waiting costs at most this.
+# answers slower than that on a loaded host (on 2 busy cores several probes of a holder can
+# miss 0.1 s at once, and a chat's turn of 561 tokens is then prefilled cold elsewhere, 2 s);
+# passing over the holder costs a whole prefill, waiting costs at most this.
 DEFAULT_QUEUE_LEN_DEADLINE_S = 0.5
 DEFAULT_MANAGER_RETRY_S = 5.0  # after a failure, look the manager up again no sooner
 # requests wait for the tokenizer until this long after its load began (one deadline for all)

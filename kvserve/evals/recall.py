@@ -27,7 +27,7 @@ from kvserve.evals.recall_tasks import RecallSample, build_sample
 from kvserve.evals.results import SampleLog, metric_entry, write_csv, write_results
 from kvserve.evals.rope_variants import RopeVariant
 from kvserve.evals.scoring import TASK_METRICS, score_sample, summarize_cell
-from kvserve.workers.config import EngineConfig
+from kvserve.workers.config import EngineConfig, output_dir
 from kvserve.workers.model_executor.loader import DEFAULT_MODEL
 
 VERSION = 1
@@ -50,7 +50,7 @@ class RecallConfig:
     haystack_name: str = "noise"
     value_kind: str = "numbers"
     threshold: float = 85.6  # effective length: score >= this (RULER's Llama-2-7B 4K score)
-    out: Path = Path("eval-results/recall")
+    out: Path = field(default_factory=lambda: output_dir("eval/recall"))
     target: str | None = None  # a running deployment instead of in-process
     engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields
 

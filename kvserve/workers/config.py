@@ -277,3 +277,10 @@ def cache_root() -> Path:
     built kernels, the state file of `kvserve up --detach`. Here, not in the loader, so that the
     CLI's state checks need no torch."""
     return Path(os.environ.get("KVSERVE_CACHE_DIR", Path.home() / ".cache" / "kvserve"))
+
+
+def output_dir(name: str) -> Path:
+    """Where a command writes its reports unless told (`--out`): `outputs/<name>` in the cache
+    directory, never the working directory, so running kvserve inside a checkout leaves the
+    checkout clean. The same name each run, so a rerun resumes (the evals) or overwrites."""
+    return cache_root() / "outputs" / name

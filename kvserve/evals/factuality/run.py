@@ -22,7 +22,7 @@ from kvserve.evals import plots
 from kvserve.evals.factuality import closed_book, grounded
 from kvserve.evals.generation import GenRequest, make_generator
 from kvserve.evals.results import SampleLog, metric_entry, write_csv, write_results
-from kvserve.workers.config import EngineConfig
+from kvserve.workers.config import EngineConfig, output_dir
 from kvserve.workers.model_executor.loader import DEFAULT_MODEL
 
 VERSION = 1
@@ -39,7 +39,7 @@ class FactualityConfig:
     samples: int = 100  # per suite
     dataset: Path | None = None  # a user's closed-book JSONL; None: the shipped set
     seed: int = 0
-    out: Path = Path("eval-results/factuality")
+    out: Path = field(default_factory=lambda: output_dir("eval/factuality"))
     target: str | None = None
     engine: dict[str, Any] = field(default_factory=dict)
 

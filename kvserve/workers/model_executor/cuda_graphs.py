@@ -1,8 +1,8 @@
 """Pure-decode steps replayed from CUDA graphs: one graph per padded batch size.
 
 Why: a decode step of a small model on a GPU is host-bound. The GPU computes a 1B model's step
-in under 2 ms while Python and ~15 kernel launches per layer take several times that (the first
-H200 run: ~12 ms of host time per step). A CUDA graph records every launch of the model's
+in under 2 ms while Python and ~15 kernel launches per layer take several times that (~12 ms
+of host time per step on an H200, eager). A CUDA graph records every launch of the model's
 forward once, and a step then costs a few copies and one replay.
 
 How (nano-vllm's and vLLM's recipe): a graph replays fixed addresses and fixed launch grids, so

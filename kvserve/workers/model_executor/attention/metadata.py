@@ -3,7 +3,7 @@
 The flat token batch is ordered decodes first (one token each), then prefill chunks.
 
 Why one builder: on a GPU, every small tensor made from host lists is its own host->device copy,
-and a step used to make about eight of them (slots, tables, lengths, cu_seqlens...). `build`
+and a step needs about eight of them (slots, tables, lengths, cu_seqlens...). `build`
 packs every integer of the step (and whatever the caller adds: token ids, positions, logits rows)
 into one host buffer, copies it to the device once, and hands out views of it. The lengths a
 kernel call needs as Python ints (`max_*`) are kept from the host lists, so reading them never
