@@ -1,9 +1,11 @@
-"""Shared fixtures: a tiny random model for logic tests, the real SmolLM2 for acceptance tests."""
+"""Shared fixtures: a tiny random model for logic tests, the real SmolLM2 for acceptance tests.
+
+How the suite is split and scheduled (slow and ray markers, xdist units, the shared Ray
+cluster's lifetime) is the plugin `tests/suite_plugin.py`, registered here."""
 
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,6 +27,8 @@ from kvserve.workers.model_executor.loader import (  # noqa: E402
     resolve_model_dir,
 )
 from kvserve.workers.model_executor.tiny import tiny_checkpoint  # noqa: E402
+
+pytest_plugins = ["tests.suite_plugin"]
 
 
 @pytest.fixture(scope="session")
@@ -91,110 +95,3 @@ def make_tiny_engine():
         return LLMEngine(EngineConfig(**config), checkpoint=ckpt)
 
     return make
-
-
-# --- the session's Ray cluster (tests/serving.py) and the fast/slow split ------------------
-
-# Fixtures that load the real model or start Ray: a test using one is `slow` (left out of
-# `make test-fast`), whether or not it carries the marker itself.
-SLOW_FIXTURES = {"model_dir", "real_checkpoint", "real_engine", "hf_model"}
-
-
-def _shared_ray_group(item: pytest.Item) -> str:
-    """The module's `USES_SHARED_RAY` group ("" if it does not use the shared cluster, or the
-    test starts its own head): modules are run in group order, so that the tests that can
-    share a deployment run next to each other."""
-    if "own_ray_head" in getattr(item, "fixturenames", ()):
-        return ""
-    return str(getattr(getattr(item, "module", None), "USES_SHARED_RAY", "") or "")
-
-
-@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark `slow` every test that loads the real model through a shared fixture, starts Ray
-    (marked `ray`) or uses the shared cluster, so `pytest -m "not slow"` is the fast suite
-    without listing each test: a new test asking for `real_engine` is slow without anyone
-    remembering to mark it (tests that load the model another way, e.g. a `kvserve`
-    subprocess, are marked where written); every test using Ray is also marked `ray`. Then run
-    the modules on the shared Ray cluster last, together and in group order, so the cluster
-    starts once and deployments are reused."""
-    for item in items:
-        if _uses_ray(item) or SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
-            item.add_marker(pytest.mark.slow)
-        if _uses_ray(item) and not item.get_closest_marker("ray"):
-            item.add_marker(pytest.mark.ray)  # so `-m "not ray"` leaves out every Ray test
-        item.add_marker(pytest.mark.xdist_group(_worker_group(item)))
-    items.sort(key=_run_order)  # stable: file order is kept within each group
-
-
-# --- two workers (pytest-xdist, `make test`) ----------------------------------------------
-# `make test` runs the suite on two pytest-xdist workers (`--dist loadgroup`): a Ray test
-# spends half its time waiting on processes that start, deploy and stream, and the other
-# worker uses that core. Each module is one unit of work, so a module's fixtures (an
-# engine, a cluster) are made once; the modules on the shared Ray cluster are one unit, so that
-# cluster starts once. The Ray units go first, the shared cluster's first of all, as the
-# longest: the other worker takes the short modules meanwhile.
-SHARED_RAY_UNIT = "shared-ray-cluster"
-
-
-def _worker_group(item: pytest.Item) -> str:
-    """The unit of work an xdist worker takes whole: the shared cluster's modules together,
-    every other module alone (a shared module's test that starts its own head, alone too)."""
-    module = item.nodeid.split("::")[0]
-    if _shared_ray_group(item):
-        return SHARED_RAY_UNIT
-    if "own_ray_head" in getattr(item, "fixturenames", ()):
-        return f"{module}::own-ray-head"
-    return module
-
-
-def _run_order(item: pytest.Item) -> tuple[int, str]:
-    """The shared cluster's modules first (in group order), then the other Ray modules, then
-    the rest; the order only matters to how units are handed to workers."""
-    if _shared_ray_group(item):
-        return (0, _shared_ray_group(item))
-    return (1 if _uses_ray(item) else 2, "")
-
-
-# xdist workers on two cores: every process a worker starts computes on one thread. Set in
-# the environment before any test runs, so the `kvserve` subprocesses, the Ray heads and the
-# replicas a worker starts inherit it (Ray leaves a replica's OMP_NUM_THREADS alone when it is
-# set). With two OpenMP threads per process, each parallel region waits for its slower thread,
-# and with the other worker busy one of them is often descheduled.
-WORKER_THREADS = 1
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(WORKER_THREADS)
-    torch.set_num_threads(WORKER_THREADS)
-
-
-def _uses_ray(item: pytest.Item) -> bool:
-    """Starts a Ray head (marked `ray`, or `own_ray_head`) or uses the shared cluster."""
-    return bool(getattr(getattr(item, "module", None), "USES_SHARED_RAY", "")
-                or item.get_closest_marker("ray")
-                or "own_ray_head" in getattr(item, "fixturenames", ()))
-
-
-@pytest.fixture(autouse=True)
-def _shared_ray_only_for_serving_modules(request: pytest.FixtureRequest) -> Iterator[None]:
-    """The shared cluster runs only during modules that use it (`USES_SHARED_RAY = "<group>"`):
-    other tests start their own Ray heads, or check that none is running."""
-    serving = sys.modules.get("tests.serving")
-    if serving is not None and serving.cluster_running() and not _shared_ray_group(request.node):
-        serving.shutdown_cluster()
-    yield
-
-
-@pytest.fixture
-def own_ray_head() -> None:
-    """For a test inside a shared-Ray module that starts its own head: the shared one goes."""
-    serving = sys.modules.get("tests.serving")
-    if serving is not None:
-        serving.shutdown_cluster()
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _stop_shared_ray_at_the_end() -> Iterator[None]:
-    yield
-    serving = sys.modules.get("tests.serving")
-    if serving is not None:
-        serving.shutdown_cluster()

@@ -10,9 +10,18 @@ from typing import Any, TypeVar
 import torch
 from torch.overrides import TorchFunctionMode
 
+from kvserve.workers.core.sampling_params import SamplingParams
+from kvserve.workers.core.sequence import Sequence
 from kvserve.workers.engine import LLMEngine
 
 T = TypeVar("T")
+
+
+def make_seq(request_id: str, prompt_len: int, **params: Any) -> Sequence:
+    """A sequence of prompt tokens 1..prompt_len with these sampling params, seeded: for
+    block manager and scheduler units, which need no model."""
+    return Sequence(request_id, list(range(1, prompt_len + 1)), SamplingParams(**params),
+                    torch.Generator().manual_seed(0))
 
 
 def assert_engine_idle(engine: LLMEngine) -> None:

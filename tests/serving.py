@@ -8,7 +8,7 @@ it found it passes `reuse=True`, and the next caller asking for the same setting
 deployment without a redeploy. Tests that kill replicas, restart Redis or change the replicas'
 environment deploy their own (the default), which is deleted when their block ends.
 
-Modules whose tests use this cluster set `USES_SHARED_RAY = "<group>"`: `tests/conftest.py`
+Modules whose tests use this cluster set `USES_SHARED_RAY = "<group>"`: `tests/suite_plugin.py`
 runs them together in group order, and shuts the cluster down before any other test (tests of
 process lifetimes start their own heads and check that nothing is left behind; they must not see
 this one)."""

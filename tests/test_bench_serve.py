@@ -13,7 +13,7 @@ from tests.serving import APP, DEFAULT_APP, serve_locally
 
 USES_SHARED_RAY = "1"  # tests/serving.py: run with the modules of this group
 
-pytestmark = pytest.mark.ray  # starts Ray, so also slow (tests/conftest.py)
+pytestmark = pytest.mark.ray  # starts Ray, so also slow (tests/suite_plugin.py)
 
 LEVEL_KEYS = {"concurrency", "service_tok_s", "engine_tok_s", "ttft_p50_ms", "ttft_p99_ms",
               "itl_p50_ms", "itl_p99_ms", "ratio"}

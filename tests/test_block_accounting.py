@@ -1,4 +1,4 @@
-"""KV block accounting: BlockManager units, and a stateful property test of the real engine.
+"""KV block accounting under random traffic: a stateful property test of the real engine.
 
 The property test drives `LLMEngine` (tiny random model, a pool of 16 blocks of 4 tokens) through
 random interleavings of add / step / abort / run-to-completion, and after every action checks the
@@ -9,7 +9,6 @@ table covers the sequence's computed tokens. The pool is small enough that preem
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,11 +29,9 @@ from hypothesis.stateful import (
 )
 
 from kvserve.workers.config import EngineConfig
-from kvserve.workers.core.block_manager import BlockManager, KVCacheBlocks
 from kvserve.workers.core.outputs import RequestOutput
-from kvserve.workers.core.sampling_params import SamplingParams
 from kvserve.workers.core.scheduler import Scheduler
-from kvserve.workers.core.sequence import FinishReason, Sequence, SequenceStatus
+from kvserve.workers.core.sequence import Sequence, SequenceStatus
 from kvserve.workers.engine import LLMEngine
 from kvserve.workers.model_executor.kv_cache import KVCacheSpec
 from kvserve.workers.model_executor.tiny import tiny_checkpoint, tiny_config
@@ -47,181 +44,6 @@ NUM_BLOCKS = 16  # a 30-token prompt + 20 new tokens needs 13: fits alone, not w
 MAX_PROMPT = 30
 MAX_NEW = 20
 MAX_STEPS_TO_DRAIN = 3000  # far above what any example needs; more means a livelock
-
-# -- BlockManager units -------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("num_tokens", [0, 1, 3, 4, 5, 8, 9, 16, 17, 40])
-def test_allocate_grows_table_to_ceil(num_tokens: int) -> None:
-    bm = BlockManager(num_blocks=10, block_size=4)
-    table: list[int] = []
-    bm.allocate(table, num_tokens)
-    assert len(table) == math.ceil(num_tokens / 4)
-    assert len(set(table)) == len(table)
-    assert bm.num_free == 10 - len(table)
-    assert all(bm.blocks[b].ref_count == 1 for b in table)
-
-
-def test_allocate_is_incremental_and_never_shrinks() -> None:
-    bm = BlockManager(num_blocks=8, block_size=4)
-    table: list[int] = []
-    bm.allocate(table, 3)
-    first = list(table)
-    assert len(first) == 1
-    bm.allocate(table, 4)  # still fits the first block
-    assert table == first
-    bm.allocate(table, 9)
-    assert table[:1] == first and len(table) == 3
-    bm.allocate(table, 2)  # fewer tokens than held: nothing changes
-    assert len(table) == 3 and bm.num_free == 5
-    assert bm.blocks_needed(table, 13) == 1
-    assert bm.blocks_needed(table, 12) == 0
-
-
-def test_two_tables_get_disjoint_blocks() -> None:
-    bm = BlockManager(num_blocks=6, block_size=2)
-    a: list[int] = []
-    b: list[int] = []
-    bm.allocate(a, 5)
-    bm.allocate(b, 6)
-    assert not set(a) & set(b)
-    assert bm.num_free == 0
-
-
-def test_memory_error_when_exhausted_leaves_state_untouched() -> None:
-    bm = BlockManager(num_blocks=3, block_size=4)
-    table: list[int] = []
-    bm.allocate(table, 8)
-    assert bm.can_allocate(table, 12)
-    assert not bm.can_allocate(table, 13)
-    before = list(table)
-    with pytest.raises(MemoryError):
-        bm.allocate(table, 13)
-    assert table == before
-    assert bm.num_free == 1
-    other: list[int] = []
-    with pytest.raises(MemoryError):
-        bm.allocate(other, 5)
-    assert other == [] and bm.num_free == 1
-
-
-def test_deallocate_frees_everything_and_double_free_asserts() -> None:
-    bm = BlockManager(num_blocks=4, block_size=4)
-    table: list[int] = []
-    bm.allocate(table, 10)
-    held = list(table)
-    for b in held:
-        bm.blocks[b].block_hash = b"x"
-    bm.deallocate(table)
-    assert table == []
-    assert bm.num_free == 4
-    assert sorted(bm.free_ids) == [0, 1, 2, 3]
-    assert all(bm.blocks[b].ref_count == 0 and bm.blocks[b].block_hash is None for b in held)
-    stale = list(held)
-    with pytest.raises(AssertionError, match="double free"):
-        bm.deallocate(stale)
-    assert sorted(bm.free_ids) == [0, 1, 2, 3]  # the failed free did not duplicate ids
-
-
-def test_usage() -> None:
-    bm = BlockManager(num_blocks=8, block_size=2)
-    assert bm.usage() == 0.0
-    table: list[int] = []
-    bm.allocate(table, 5)  # 3 blocks
-    assert bm.usage() == pytest.approx(3 / 8)
-    rest: list[int] = []
-    bm.allocate(rest, 10)
-    assert bm.usage() == 1.0
-    bm.deallocate(table)
-    assert bm.usage() == pytest.approx(5 / 8)
-
-
-def _seq(request_id: str, prompt_len: int, **params: Any) -> Sequence:
-    return Sequence(request_id, list(range(1, prompt_len + 1)), SamplingParams(**params),
-                    torch.Generator().manual_seed(0))
-
-
-def test_allocate_slots_reports_the_added_blocks_and_changes_nothing_when_short() -> None:
-    bm = BlockManager(num_blocks=4, block_size=4)
-    a, b = _seq("a", 6), _seq("b", 9)
-    got = bm.allocate_slots(a, 6)
-    assert got is not None and got.block_ids == tuple(a.block_table) and len(a.block_table) == 2
-    assert bm.allocate_slots(a, 8) == KVCacheBlocks(())  # still fits its two blocks
-    assert bm.allocate_slots(b, 9) is None  # needs 3, 2 are free
-    assert b.block_table == [] and bm.num_free == 2
-    grown = bm.allocate_slots(a, 9)
-    assert grown is not None and grown.block_ids == (a.block_table[2],)
-    bm.free(a)
-    assert a.block_table == [] and bm.num_free == 4
-
-
-def test_update_from_output_applies_the_step_and_runs_the_stop_checks() -> None:
-    """The scheduler, not the engine, decides who stops: a stop string wins over a length
-    limit in the same token, EOS counts unless ignore_eos, stop_token_ids always; a finished
-    sequence's blocks are freed at once, and the others go on with their token appended."""
-    bm = BlockManager(num_blocks=16, block_size=4)
-    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=100,
-                      eos_token_ids={2})
-    seqs = {
-        "goes_on": _seq("goes_on", 5, max_tokens=5),
-        "length": _seq("length", 5, max_tokens=1),
-        "stop_string_and_length": _seq("stop_string_and_length", 5, max_tokens=1),
-        "eos": _seq("eos", 5, max_tokens=5),
-        "eos_ignored": _seq("eos_ignored", 5, max_tokens=5, ignore_eos=True),
-        "stop_id": _seq("stop_id", 5, max_tokens=5, stop_token_ids=[7]),
-    }
-    for seq in seqs.values():
-        sched.add(seq)
-    scheduled = sched.schedule()
-    assert [c.seq.request_id for c in scheduled.chunks] == list(seqs)
-    tokens = {"goes_on": 9, "length": 9, "stop_string_and_length": 9, "eos": 2,
-              "eos_ignored": 2, "stop_id": 7}
-    reasons = sched.update_from_output(
-        scheduled, list(seqs.values()), [[t] for t in tokens.values()],
-        stop_string=lambda seq, token: seq.request_id == "stop_string_and_length")
-    assert dict(zip(seqs, reasons, strict=True)) == {
-        "goes_on": None, "length": FinishReason.LENGTH,
-        "stop_string_and_length": FinishReason.STOP, "eos": FinishReason.STOP,
-        "eos_ignored": None, "stop_id": FinishReason.STOP}
-    assert sched.running == [seqs["goes_on"], seqs["eos_ignored"]]
-    for name, seq in seqs.items():
-        assert seq.output_token_ids == [tokens[name]] and seq.num_computed_tokens == 5
-        assert seq.is_finished == (name not in ("goes_on", "eos_ignored"))
-        assert (seq.block_table == []) == seq.is_finished
-    assert bm.num_free == 16 - 2 * 2  # the two running hold 2 blocks each (5 tokens)
-    stats = sched.stats()
-    assert (stats.num_running, stats.num_waiting, stats.num_decoding) == (2, 0, 2)
-    assert stats.prompt_tokens_left == 0  # two decodes: no prompt work ahead
-
-
-def test_update_from_output_stops_at_the_context_limit() -> None:
-    bm = BlockManager(num_blocks=8, block_size=4)
-    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=6)
-    seq = _seq("a", 5, max_tokens=100)
-    sched.add(seq)
-    assert sched.update_from_output(sched.schedule(), [seq], [[9]]) == [FinishReason.LENGTH]
-    assert seq.num_tokens == 6 and bm.num_free == 8
-
-
-def test_scheduler_stats_count_the_waiting_work() -> None:
-    bm = BlockManager(num_blocks=4, block_size=4)
-    sched = Scheduler(bm, max_num_seqs=1, max_num_batched_tokens=64)
-    first, second = _seq("first", 5, max_tokens=3), _seq("second", 10, max_tokens=7)
-    sched.add(first)
-    sched.add(second)
-    sched.schedule()  # admits only `first` (max_num_seqs=1)
-    stats = sched.stats()
-    assert (stats.num_running, stats.num_waiting) == (1, 1)
-    assert stats.waiting_kv_blocks == 5  # second at its longest: 17 tokens in blocks of 4
-    assert stats.prompt_tokens_left == 5 + 10  # first's prompt is scheduled, not yet computed
-    assert stats.num_decoding == 0
-
-
-@pytest.mark.parametrize(("num_blocks", "block_size"), [(0, 4), (4, 0), (-1, 4)])
-def test_rejects_nonpositive_sizes(num_blocks: int, block_size: int) -> None:
-    with pytest.raises(ValueError):
-        BlockManager(num_blocks, block_size)
-
 
 # -- invariants over the engine -----------------------------------------------------------------
 

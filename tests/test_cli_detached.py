@@ -31,7 +31,7 @@ from tests.serving import free_port
 from tests.test_cli import KVSERVE
 from tests.trace_format import trace_format_errors
 
-pytestmark = pytest.mark.ray  # starts Ray, so also slow (tests/conftest.py)
+pytestmark = pytest.mark.ray  # starts Ray, so also slow (tests/suite_plugin.py)
 
 
 def new_user_env(model_dir: Path, tmp_path: Path) -> dict[str, str]:

@@ -25,7 +25,7 @@ from tests.test_cli_detached import (
     the_embedded_redis_dir,
 )
 
-pytestmark = pytest.mark.ray  # starts Ray, so also slow (tests/conftest.py)
+pytestmark = pytest.mark.ray  # starts Ray, so also slow (tests/suite_plugin.py)
 
 
 def _lines(proc: subprocess.Popen) -> queue.Queue:

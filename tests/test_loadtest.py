@@ -17,7 +17,7 @@ from tests.helpers import poll
 from tests.serving import APP, DEFAULT_APP, serve_locally
 from tests.test_cli import KVSERVE
 
-pytestmark = pytest.mark.ray  # starts Ray, so also slow (tests/conftest.py)
+pytestmark = pytest.mark.ray  # starts Ray, so also slow (tests/suite_plugin.py)
 USES_SHARED_RAY = "1"  # tests/serving.py: run with the modules of this group
 
 

@@ -18,7 +18,7 @@ import pytest
 from kvserve.cluster import local_head
 from tests.helpers import poll
 
-pytestmark = pytest.mark.ray  # starts Ray, so also slow (tests/conftest.py)
+pytestmark = pytest.mark.ray  # starts Ray, so also slow (tests/suite_plugin.py)
 
 OWNER_SCRIPT = textwrap.dedent("""
     import json, sys, time

@@ -16,7 +16,7 @@ from tests.serving import serve_locally
 
 USES_SHARED_RAY = "2"  # tests/serving.py: run with the modules of this group
 
-pytestmark = pytest.mark.ray  # starts Ray, so also slow (tests/conftest.py)
+pytestmark = pytest.mark.ray  # starts Ray, so also slow (tests/suite_plugin.py)
 
 DEADLINE_S = 120  # a hang fails as DEADLINE_EXCEEDED instead of blocking the suite
 

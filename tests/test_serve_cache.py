@@ -27,7 +27,7 @@ from tests.helpers import poll, solo_ids_each
 from tests.serving import TWO_REPLICAS, Served, serve_locally
 from tests.test_serve_replica_kill import _replica_rows, _replica_states
 
-pytestmark = pytest.mark.ray  # starts Ray, so also slow (tests/conftest.py)
+pytestmark = pytest.mark.ray  # starts Ray, so also slow (tests/suite_plugin.py)
 USES_SHARED_RAY = "3a"  # tests/serving.py: run with the modules of this group
 
 HIT_RATE = 0.9  # of later turns' prompt tokens found cached, with routing
@@ -151,7 +151,7 @@ def test_chaos_leaves_an_exact_index_no_leaks_and_no_crossed_outputs(real_engine
 
 
 # the routed run last: it leaves the 2-replica deployment that test_serve_two_replicas and
-# test_serve_replica_kill (run next, tests/conftest.py) reuse
+# test_serve_replica_kill (run next, tests/suite_plugin.py) reuse
 @pytest.mark.parametrize("routed", [False, True], ids=["unrouted", "routed"])
 def test_multi_turn_chats_stay_on_the_replica_holding_their_history(routed):
     """8 conversations x 5 turns over 2 replicas; every later turn finds its

@@ -18,7 +18,7 @@ from tests.helpers import poll
 from tests.serving import serve_locally
 from tests.test_serve_replica_kill import _replica_rows, _replica_states
 
-pytestmark = pytest.mark.ray  # starts Ray, so also slow (tests/conftest.py)
+pytestmark = pytest.mark.ray  # starts Ray, so also slow (tests/suite_plugin.py)
 USES_SHARED_RAY = "4"  # tests/serving.py: run with the modules of this group
 
 # Serve's defaults (10 s period, 3 failures in a row) would take 30 s to notice a dead loop

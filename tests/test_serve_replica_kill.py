@@ -16,7 +16,7 @@ from tests.serving import TWO_REPLICAS, serve_locally
 
 USES_SHARED_RAY = "3c"  # tests/serving.py: run with the modules of this group
 
-pytestmark = pytest.mark.ray  # starts Ray, so also slow (tests/conftest.py)
+pytestmark = pytest.mark.ray  # starts Ray, so also slow (tests/suite_plugin.py)
 
 STREAM_DEADLINE_S = 300  # a hang would show as DEADLINE_EXCEEDED here, never block the suite
 ERROR_WITHIN_S = 30  # the killed stream must end this soon after the kill

@@ -17,7 +17,7 @@ from tests.trace_format import trace_format_errors
 
 USES_SHARED_RAY = "3b"  # tests/serving.py: run with the modules of this group
 
-pytestmark = pytest.mark.ray  # starts Ray, so also slow (tests/conftest.py)
+pytestmark = pytest.mark.ray  # starts Ray, so also slow (tests/suite_plugin.py)
 
 
 def test_two_replicas_serve_16_concurrent_clients_exactly(real_engine):

@@ -1,4 +1,4 @@
-"""How the suite runs on xdist workers (tests/conftest.py): what a worker takes whole, the
+"""How the suite runs on xdist workers (tests/suite_plugin.py): what a worker takes whole, the
 thread count of everything it starts, and the new-user environment's own temp dir."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.conftest import SHARED_RAY_UNIT, _run_order, _worker_group
+from tests.suite_plugin import SHARED_RAY_UNIT, _run_order, _worker_group
 from tests.test_cli_detached import new_user_env
 
 
@@ -63,7 +63,7 @@ def test_each_new_user_gets_an_empty_short_temp_dir_of_its_own(tmp_path):
     assert seen.stdout.strip() == str(one)  # what its processes make in "/tmp" lands there
 
 
-# A project whose conftest groups tests as tests/conftest.py does: `xdist_group` marks added at
+# A project whose conftest groups tests as tests/suite_plugin.py does: `xdist_group` marks added at
 # collection, two modules in one group, a third module free.
 GROUPED_PROJECT = {
     "conftest.py": "import pytest\n\n\n@pytest.hookimpl(tryfirst=True)\n"

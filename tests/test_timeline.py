@@ -116,7 +116,7 @@ def test_a_scripted_schedule_is_recorded_and_traced_event_for_event(make_tiny_en
 
 def test_requests_still_running_are_drawn_from_the_steps_alone(make_tiny_engine):
     """An engine's recent steps, without timelines (a replica's status, a request not done):
-    the same events, swaps included, rebuilt by the same function (`step_events`)."""
+    the same events, swaps included, rebuilt by the same function (`events_by_request`)."""
     engine, decisions, (a, b, c), last = _scripted(make_tiny_engine)
     steps = engine.recent_steps()
     rebuilt = events_from_steps(steps)
