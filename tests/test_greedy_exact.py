@@ -3,7 +3,7 @@
 Any divergence fails. Where the two first differ, the message says whether transformers' own
 logits show a near-tie there (the two candidate tokens' log-probabilities within `NEAR_TIE`, as
 vLLM's logprob-closeness checks measure it) or a real bug; even a proven near-tie counts against
-`MAX_NEAR_TIES`, which is what the README claims the suite meets: zero. A kernel or summation
+`MAX_NEAR_TIES`, which is what docs/design.md claims the suite meets: zero. A kernel or summation
 change that flips one near-tie therefore fails here and must be argued for, not waved through.
 
 The reference is transformers' greedy decoding of each prompt, every token its argmax
@@ -26,7 +26,7 @@ from tests.prompts import varied_prompts
 
 NEW_TOKENS = 64
 NEAR_TIE = 1e-4  # a top-2 logprob gap below this, in transformers' logits, is a near-tie
-MAX_NEAR_TIES = 0  # README: "the suite meets zero near-ties on 13 varied prompts"
+MAX_NEAR_TIES = 0  # docs/design.md: "the suite meets zero near-ties on 13 varied prompts"
 
 
 @pytest.fixture(scope="module")
@@ -127,9 +127,10 @@ def check_against_reference(name: str, ours: list[int], ref: tuple) -> str | Non
 
 
 def assert_near_ties_allowed(near_ties: list[str]) -> None:
-    """At most `MAX_NEAR_TIES` proven near-ties (zero: the README's claim)."""
+    """At most `MAX_NEAR_TIES` proven near-ties (zero: the claim of docs/design.md)."""
     assert len(near_ties) <= MAX_NEAR_TIES, (
-        f"{len(near_ties)} near-ties, the README claims {MAX_NEAR_TIES}: " + "; ".join(near_ties)
+        f"{len(near_ties)} near-ties, docs/design.md claims {MAX_NEAR_TIES}: "
+        + "; ".join(near_ties)
     )
 
 
@@ -222,7 +223,7 @@ def test_a_flipped_token_fails_even_at_a_near_tie(reference):
     tied[0][runner_up] = tied[0][tokens[0]]  # make the runner-up an exact tie at token 0
     tie = check_against_reference(name, [runner_up, *tokens[1:]], (tokens, tied))
     assert tie is not None and "near-tie at token 0" in tie
-    with pytest.raises(AssertionError, match="near-ties, the README claims 0"):
+    with pytest.raises(AssertionError, match="near-ties, docs/design.md claims 0"):
         assert_near_ties_allowed([tie])
 
 

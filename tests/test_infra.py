@@ -135,7 +135,7 @@ def test_gpu_serve_config_serves_bf16_on_the_gpu_with_flash_attention_kernels_an
 
 
 def test_gpu_serve_config_sends_a_replica_no_more_than_it_admits():
-    """README ("Refused by the replica, or held by Serve"): with several replicas, Serve's
+    """docs/serving.md ("Refused by the replica, or held by Serve"): with several replicas, Serve's
     max_ongoing_requests equals what a replica admits, so Serve routes around a full one."""
     from kvserve.cluster.app import AppConfig
     from kvserve.workers.config import EngineConfig

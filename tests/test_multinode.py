@@ -382,7 +382,7 @@ kv_cache_memory: 64MiB
 max_num_seqs: 2
 max_waiting_requests: 2
 # Serve sends a replica no more than it admits (2 running + 2 waiting), tries another when it
-# is full, and holds one request itself: the recipe in the README's autoscaling section
+# is full, and holds one request itself: the recipe in docs/deploying.md, "Autoscaling"
 max_ongoing_requests: 4
 max_queued_requests: 1
 """

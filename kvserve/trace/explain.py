@@ -159,7 +159,7 @@ def _report(engine: LLMEngine, rid: str, outputs: list, views: list[dict[str, An
 
 
 def format_explain(report: dict[str, Any]) -> str:
-    """The report as the time-axis text the README shows."""
+    """The report as the time-axis text docs/tracing.md shows."""
     rope = report["rope"].get("rope_type", "default")
     lines = [f"request {report['request_id']}: {report['prompt_tokens']} prompt tokens "
              f"({report['cached_tokens']} from the prefix cache), "
