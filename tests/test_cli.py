@@ -82,6 +82,9 @@ def test_every_command_writes_its_reports_outside_the_working_directory(monkeypa
     for path, out in outs.items():
         assert out.is_absolute() and out.is_relative_to(tmp_path / "outputs"), (path, out)
     assert len(set(outs.values())) == len(outs)  # one directory per command
+    from kvserve.bench import gpu_check
+
+    assert gpu_check.parse_args([]).out.is_relative_to(tmp_path / "outputs" / "gpu-check")
     for config in (RecallConfig, FactualityConfig):
         fields = {f.name: f for f in dataclasses.fields(config)}
         assert fields["out"].default_factory().is_relative_to(tmp_path / "outputs")

@@ -50,6 +50,8 @@ from typing import Any
 
 import torch
 
+from kvserve.workers.config import output_dir
+
 REPO = Path(__file__).resolve().parents[2]
 SECTIONS = ("gpu_tests", "exactness", "flash_checks", "throughput")
 # H200 SXM's HBM3e bandwidth, NVIDIA's spec sheet: 4.8 TB/s. The batch-1 decode bound is the
@@ -802,8 +804,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "errors. Results: results/README.md.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
-    parser.add_argument("--out", type=Path, default=REPO / "results" / f"gpu-check-{stamp}.json",
-                        help="the JSON file to write (default: results/gpu-check-<UTC time>.json)")
+    parser.add_argument("--out", type=Path,
+                        default=output_dir("gpu-check") / f"gpu-check-{stamp}.json",
+                        help="the JSON file to write (default: gpu-check/gpu-check-<UTC "
+                             "time>.json under outputs/ in kvserve's cache; `make gpu-check` "
+                             "writes into results/, to be committed)")
     parser.add_argument("--dry-run", action="store_true",
                         help="the same code on the CPU with tiny shapes (CI; well under a "
                              "minute once kvserve's CPU kernels are built)")
