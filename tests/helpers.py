@@ -137,3 +137,21 @@ def transformers_greedy_disagreements(hf_model: Any, prompt_ids: list[int], answ
                             f"(logprob gap {gap:.2e})")
             break  # later steps condition on a prefix transformers would not have produced
     return problems
+
+
+def schema_errors(answers: dict[tuple[str, str], str]) -> list[str]:
+    """(schema name, prompt) -> answer text: each answer that is not JSON valid against its
+    schema in `kvserve.bench.structured.SCHEMAS`, and why."""
+    import json
+
+    import jsonschema
+
+    from kvserve.bench.structured import SCHEMAS
+
+    errors = []
+    for (name, prompt), text in answers.items():
+        try:
+            jsonschema.validate(json.loads(text), SCHEMAS[name])
+        except (ValueError, jsonschema.ValidationError) as exc:
+            errors.append(f"{name} / {prompt}: {type(exc).__name__}: {text[:60]!r}")
+    return errors

@@ -9,7 +9,7 @@ import pytest
 from kvserve.workers.config import EngineConfig
 from kvserve.workers.core.outputs import RequestOutput
 from kvserve.workers.engine import LLMEngine
-from tests.helpers import assert_engine_idle, output_ids, solo_ids
+from tests.helpers import assert_engine_idle, output_ids, solo_ids, solo_ids_each
 from tests.prompts import varied_prompts
 
 pytestmark = pytest.mark.slow  # every test here runs the real SmolLM2
@@ -112,13 +112,20 @@ def blocks_held(engine: LLMEngine, outputs: list[RequestOutput]) -> int:
     return math.ceil(tokens / engine.info.block_size)
 
 
-def test_32_requests_under_memory_pressure_match_their_solo_runs(small_pool_engine, prompts):
+def test_32_requests_under_memory_pressure_match_their_solo_runs(small_pool_engine, prompts,
+                                                                real_engine):
+    """Preemption changes no token: 32 greedy and seeded requests in a pool too small for
+    them give what each gives alone. The solo outputs come from one batch on the big pool,
+    where nothing is preempted (each request in a batch equals its solo run:
+    test_seeded_request_is_identical_alone_and_in_a_batch_of_16)."""
     engine = small_pool_engine
     requests = []
     for i in range(32):
         params = {"temperature": 0, "max_tokens": 16 + i % 9} if i % 3 else sampled(i, 20)
         requests.append({"prompt_token_ids": prompts[i % len(prompts)], "params": params})
-    solo = [run_solo(engine, r) for r in requests]
+    big_pool_preemptions = real_engine.kv_stats().preemptions
+    solo = solo_ids_each(real_engine, requests)
+    assert real_engine.kv_stats().preemptions == big_pool_preemptions
     preempted_before = engine.kv_stats().preemptions
     together = run_together(engine, requests)
     assert engine.kv_stats().preemptions > preempted_before, "the pool was not under pressure"

@@ -49,6 +49,7 @@ def add_bench(sub) -> None:
     _add_bench_serve(bench)
     _add_bench_prefix(bench)
     _add_bench_speculative(bench)
+    _add_bench_structured(bench)
     _add_bench_machine(bench)
 
 
@@ -74,6 +75,36 @@ def _run_bench_machine(args: argparse.Namespace) -> int:
 
     gauge = measure_machine()
     print(json.dumps(gauge.to_dict()) if args.json else gauge.summary())
+    return 0
+
+
+def _add_bench_structured(bench) -> None:
+    b = bench.add_parser(
+        "structured", help="structured outputs: tok/s with a JSON schema vs unconstrained",
+        description="Output tokens/s of the in-process engine with a JSON schema (a long list "
+                    "of records, so every request runs --output-len tokens) against the same "
+                    "requests unconstrained (ignoring EOS), at batch 1 and 32, in one run; "
+                    "and the mask's own time per step (filling the bitmask, applying it).")
+    b.add_argument("--output-len", type=int, default=64,
+                   help="tokens per request in both modes (default 64)")
+    b.add_argument("--repeats", type=int, default=2,
+                   help="rounds, modes alternating; each mode reports its best (default 2)")
+    b.add_argument("--batch-sizes", type=positive_ints, default=(1, 32), metavar="N,N",
+                   help="requests side by side (default 1,32)")
+    b.add_argument("--json", action="store_true",
+                   help="print one JSON object: rows (batch, unconstrained and json_schema "
+                        "tok_s, mask_ms_per_step, mask_share, ratio), weights_read_ms")
+    add_engine_args(b)
+    b.set_defaults(run=_run_bench_structured)
+
+
+def _run_bench_structured(args: argparse.Namespace) -> int:
+    from kvserve.bench.structured import run_structured_bench
+
+    report = run_structured_bench(engine_config(args), output_len=args.output_len,
+                                  repeats=args.repeats, batch_sizes=tuple(args.batch_sizes),
+                                  progress=not args.json)
+    print(json.dumps(report, indent=2) if args.json else report["summary"])
     return 0
 
 

@@ -9,9 +9,11 @@ import asyncio
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from kvserve.cli.engine_args import add_engine_args, engine_config
+from kvserve.cli.types import words
 from kvserve.workers.config import EngineConfig
 
 
@@ -36,6 +38,18 @@ def add_generate(sub) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (text, token_ids, finish_reason, usage)")
+    c = p.add_argument_group("structured outputs (one of)").add_mutually_exclusive_group()
+    c.add_argument("--json-schema", type=_text_or_file, metavar="FILE|JSON",
+                   help="the output is JSON valid against this schema (a file, or the schema "
+                        "itself)")
+    c.add_argument("--json-object", action="store_true",
+                   help="the output is a JSON object, any object")
+    c.add_argument("--regex", metavar="R", help="the output matches this regular expression")
+    c.add_argument("--choice", type=words, metavar="A,B,...",
+                   help="the output is exactly one of these strings")
+    c.add_argument("--grammar", type=_text_or_file, metavar="FILE|EBNF",
+                   help="the output follows this EBNF grammar (xgrammar's dialect; a file, or "
+                        "the grammar itself)")
     p.add_argument("--target", default=None, metavar="HOST:PORT|http://HOST:PORT",
                    help="stream from a running deployment instead of in-process: over gRPC "
                         "(HOST:PORT) or the OpenAI-compatible HTTP API (http://HOST:PORT)")
@@ -52,6 +66,9 @@ def _run_generate(args: argparse.Namespace) -> int:
         "max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
         "top_k": args.top_k, "min_p": args.min_p, "seed": args.seed, "stop": args.stop,
     }
+    constraint = structured_outputs(args)
+    if constraint is not None:
+        params["structured_outputs"] = constraint
     prompt = {"messages": [{"role": "user", "content": args.prompt}]} if args.chat else {
         "prompt": args.prompt}
     if args.target and args.target.startswith(("http://", "https://")):
@@ -165,3 +182,25 @@ async def _stream(config: EngineConfig, prompt: dict, params: dict, echo: bool) 
     usage = vars(last.usage) if last and last.usage else None
     return {"text": "".join(text), "token_ids": ids,
             "finish_reason": last.finish_reason if last else None, "usage": usage}
+
+
+def structured_outputs(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The --json-schema / --json-object / --regex / --choice / --grammar flag given, as the
+    engine's `structured_outputs`; None when none is."""
+    if args.json_schema is not None:
+        try:
+            return {"json": json.loads(args.json_schema)}
+        except ValueError as exc:
+            raise SystemExit(f"kvserve: --json-schema is not JSON: {exc}") from None
+    if args.json_object:
+        return {"json_object": True}
+    for name in ("regex", "choice", "grammar"):
+        if getattr(args, name) is not None:
+            return {name: getattr(args, name)}
+    return None
+
+
+def _text_or_file(value: str) -> str:
+    """A flag's value, or the text of the file it names."""
+    path = Path(value)
+    return path.read_text() if len(value) < 4096 and path.is_file() else value

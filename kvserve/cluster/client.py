@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -33,10 +34,14 @@ def generate_request(
     messages: list[dict[str, str]] | None = None, request_id: str = "", cache_salt: str = "",
     **params: Any,
 ) -> pb.GenerateRequest:
-    """`params` are SamplingParams fields (max_tokens, temperature, seed, stop, ...);
-    `cache_salt` scopes prefix-cache reuse to one tenant."""
+    """`params` are SamplingParams fields (max_tokens, temperature, seed, stop, ...;
+    `structured_outputs` as the engine takes it, e.g. {"json": schema}); `cache_salt` scopes
+    prefix-cache reuse to one tenant."""
+    constraint = params.pop("structured_outputs", None)
     request = pb.GenerateRequest(request_id=request_id, cache_salt=cache_salt,
                                  params=pb.SamplingParams(**params))
+    if constraint is not None:
+        request.params.structured_outputs.CopyFrom(structured_outputs_message(constraint))
     if prompt is not None:
         request.prompt = prompt
     if prompt_token_ids is not None:
@@ -44,6 +49,20 @@ def generate_request(
     if messages is not None:
         request.messages.messages.extend(pb.ChatMessage(**m) for m in messages)
     return request
+
+
+def structured_outputs_message(spec: dict[str, Any]) -> pb.StructuredOutputs:
+    """{"json": schema} (a dict or its text), {"json_object": True}, {"regex": r},
+    {"choice": [...]} or {"grammar": ebnf} as the proto's StructuredOutputs."""
+    msg = pb.StructuredOutputs()
+    for kind, value in spec.items():
+        if kind == "json":
+            msg.json_schema = value if isinstance(value, str) else json.dumps(value)
+        elif kind == "choice":
+            msg.choice.choices.extend(value)
+        else:
+            setattr(msg, kind, value)
+    return msg
 
 
 def finish_reason_name(code: int) -> str:

@@ -53,7 +53,20 @@ def sampling_params(params: pb.SamplingParams) -> dict[str, Any]:
         values["stop_token_ids"] = list(params.stop_token_ids)
     if params.ignore_eos:
         values["ignore_eos"] = True
+    if params.HasField("structured_outputs"):
+        values["structured_outputs"] = structured_outputs(params.structured_outputs)
     return values
+
+
+def structured_outputs(msg: pb.StructuredOutputs) -> dict[str, Any]:
+    """The engine's `structured_outputs` dict ({} when no constraint is set: refused by the
+    engine's validation, naming the field)."""
+    kind = msg.WhichOneof("constraint")
+    if kind == "json_schema":
+        return {"json": msg.json_schema}
+    if kind == "choice":
+        return {"choice": list(msg.choice.choices)}
+    return {kind: getattr(msg, kind)} if kind else {}
 
 
 def response(out: RequestOutput, with_timeline: bool = False) -> pb.GenerateResponse:

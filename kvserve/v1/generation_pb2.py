@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bkvserve/v1/generation.proto\x12\nkvserve.v1\x1a\x1cgoogle/protobuf/struct.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.kvserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xfe\x03\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\x05H\t\x88\x01\x01\x12\x16\n\tspeculate\x18\x0e \x01(\x08H\n\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobsB\x0c\n\n_speculate\"\xf9\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x30\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x14.kvserve.v1.TokenIdsH\x00\x12,\n\x08messages\x18\x04 \x01(\x0b\x32\x18.kvserve.v1.ChatMessagesH\x00\x12*\n\x06params\x18\x05 \x01(\x0b\x32\x1a.kvserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x17\n\x0freturn_timeline\x18\x07 \x01(\x08\x42\x07\n\x05input\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.kvserve.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"\xa5\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1e\n\x16time_to_first_token_ms\x18\x03 \x01(\x01\x12\x15\n\rcached_tokens\x18\x04 \x01(\x05\x12\x14\n\x0c\x64raft_tokens\x18\x05 \x01(\x05\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x06 \x01(\x05\"\xd5\x01\n\rTimelineEvent\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04time\x18\x02 \x01(\x01\x12\x17\n\nduration_s\x18\x03 \x01(\x01H\x00\x88\x01\x01\x12\x11\n\x04step\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05\x66irst\x18\x05 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\nnum_tokens\x18\x06 \x01(\x05\x12\x12\n\nbatch_size\x18\x07 \x01(\x05\x12\x0e\n\x06\x62locks\x18\x08 \x01(\x05\x12\x0e\n\x06\x64\x65tail\x18\t \x01(\tB\r\n\x0b_duration_sB\x07\n\x05_stepB\x08\n\x06_first\"5\n\x08Timeline\x12)\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x19.kvserve.v1.TimelineEvent\"\xee\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.kvserve.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.kvserve.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.kvserve.v1.Usage\x12&\n\x08timeline\x18\x07 \x01(\x0b\x32\x14.kvserve.v1.Timeline\"\x12\n\x10ModelInfoRequest\"\x91\x01\n\x11ModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x30\n\x0frope_parameters\x18\x04 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x10\n\x08replicas\x18\x05 \x01(\x05\"Z\n\x0fTokenizeRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12,\n\x08messages\x18\x02 \x01(\x0b\x32\x18.kvserve.v1.ChatMessagesH\x00\x42\x07\n\x05input\"4\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05\x63ount\x18\x02 \x01(\x05*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xe6\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.kvserve.v1.GenerateRequest\x1a\x1c.kvserve.v1.GenerateResponse0\x01\x12H\n\tModelInfo\x12\x1c.kvserve.v1.ModelInfoRequest\x1a\x1d.kvserve.v1.ModelInfoResponse\x12\x45\n\x08Tokenize\x12\x1b.kvserve.v1.TokenizeRequest\x1a\x1c.kvserve.v1.TokenizeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bkvserve/v1/generation.proto\x12\nkvserve.v1\x1a\x1cgoogle/protobuf/struct.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.kvserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xb9\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\x05H\t\x88\x01\x01\x12\x16\n\tspeculate\x18\x0e \x01(\x08H\n\x88\x01\x01\x12\x39\n\x12structured_outputs\x18\x0f \x01(\x0b\x32\x1d.kvserve.v1.StructuredOutputsB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobsB\x0c\n\n_speculate\"\x9a\x01\n\x11StructuredOutputs\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12%\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x13.kvserve.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x0c\n\nconstraint\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xf9\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x30\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x14.kvserve.v1.TokenIdsH\x00\x12,\n\x08messages\x18\x04 \x01(\x0b\x32\x18.kvserve.v1.ChatMessagesH\x00\x12*\n\x06params\x18\x05 \x01(\x0b\x32\x1a.kvserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x17\n\x0freturn_timeline\x18\x07 \x01(\x08\x42\x07\n\x05input\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.kvserve.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"\xa5\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1e\n\x16time_to_first_token_ms\x18\x03 \x01(\x01\x12\x15\n\rcached_tokens\x18\x04 \x01(\x05\x12\x14\n\x0c\x64raft_tokens\x18\x05 \x01(\x05\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x06 \x01(\x05\"\xd5\x01\n\rTimelineEvent\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04time\x18\x02 \x01(\x01\x12\x17\n\nduration_s\x18\x03 \x01(\x01H\x00\x88\x01\x01\x12\x11\n\x04step\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05\x66irst\x18\x05 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\nnum_tokens\x18\x06 \x01(\x05\x12\x12\n\nbatch_size\x18\x07 \x01(\x05\x12\x0e\n\x06\x62locks\x18\x08 \x01(\x05\x12\x0e\n\x06\x64\x65tail\x18\t \x01(\tB\r\n\x0b_duration_sB\x07\n\x05_stepB\x08\n\x06_first\"5\n\x08Timeline\x12)\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x19.kvserve.v1.TimelineEvent\"\xee\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.kvserve.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.kvserve.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.kvserve.v1.Usage\x12&\n\x08timeline\x18\x07 \x01(\x0b\x32\x14.kvserve.v1.Timeline\"\x12\n\x10ModelInfoRequest\"\x91\x01\n\x11ModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x30\n\x0frope_parameters\x18\x04 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x10\n\x08replicas\x18\x05 \x01(\x05\"Z\n\x0fTokenizeRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12,\n\x08messages\x18\x02 \x01(\x0b\x32\x18.kvserve.v1.ChatMessagesH\x00\x42\x07\n\x05input\"4\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05\x63ount\x18\x02 \x01(\x05*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xe6\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.kvserve.v1.GenerateRequest\x1a\x1c.kvserve.v1.GenerateResponse0\x01\x12H\n\tModelInfo\x12\x1c.kvserve.v1.ModelInfoRequest\x1a\x1d.kvserve.v1.ModelInfoResponse\x12\x45\n\x08Tokenize\x12\x1b.kvserve.v1.TokenizeRequest\x1a\x1c.kvserve.v1.TokenizeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvserve.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2099
-  _globals['_FINISHREASON']._serialized_end=2219
+  _globals['_FINISHREASON']._serialized_start=2343
+  _globals['_FINISHREASON']._serialized_end=2463
   _globals['_CHATMESSAGE']._serialized_start=73
   _globals['_CHATMESSAGE']._serialized_end=117
   _globals['_CHATMESSAGES']._serialized_start=119
@@ -41,29 +41,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=178
   _globals['_TOKENIDS']._serialized_end=201
   _globals['_SAMPLINGPARAMS']._serialized_start=204
-  _globals['_SAMPLINGPARAMS']._serialized_end=714
-  _globals['_GENERATEREQUEST']._serialized_start=717
-  _globals['_GENERATEREQUEST']._serialized_end=966
-  _globals['_TOKENLOGPROB']._serialized_start=968
-  _globals['_TOKENLOGPROB']._serialized_end=1054
-  _globals['_TOPLOGPROB']._serialized_start=1056
-  _globals['_TOPLOGPROB']._serialized_end=1103
-  _globals['_USAGE']._serialized_start=1106
-  _globals['_USAGE']._serialized_end=1271
-  _globals['_TIMELINEEVENT']._serialized_start=1274
-  _globals['_TIMELINEEVENT']._serialized_end=1487
-  _globals['_TIMELINE']._serialized_start=1489
-  _globals['_TIMELINE']._serialized_end=1542
-  _globals['_GENERATERESPONSE']._serialized_start=1545
-  _globals['_GENERATERESPONSE']._serialized_end=1783
-  _globals['_MODELINFOREQUEST']._serialized_start=1785
-  _globals['_MODELINFOREQUEST']._serialized_end=1803
-  _globals['_MODELINFORESPONSE']._serialized_start=1806
-  _globals['_MODELINFORESPONSE']._serialized_end=1951
-  _globals['_TOKENIZEREQUEST']._serialized_start=1953
-  _globals['_TOKENIZEREQUEST']._serialized_end=2043
-  _globals['_TOKENIZERESPONSE']._serialized_start=2045
-  _globals['_TOKENIZERESPONSE']._serialized_end=2097
-  _globals['_GENERATION']._serialized_start=2222
-  _globals['_GENERATION']._serialized_end=2452
+  _globals['_SAMPLINGPARAMS']._serialized_end=773
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=776
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=930
+  _globals['_CHOICES']._serialized_start=932
+  _globals['_CHOICES']._serialized_end=958
+  _globals['_GENERATEREQUEST']._serialized_start=961
+  _globals['_GENERATEREQUEST']._serialized_end=1210
+  _globals['_TOKENLOGPROB']._serialized_start=1212
+  _globals['_TOKENLOGPROB']._serialized_end=1298
+  _globals['_TOPLOGPROB']._serialized_start=1300
+  _globals['_TOPLOGPROB']._serialized_end=1347
+  _globals['_USAGE']._serialized_start=1350
+  _globals['_USAGE']._serialized_end=1515
+  _globals['_TIMELINEEVENT']._serialized_start=1518
+  _globals['_TIMELINEEVENT']._serialized_end=1731
+  _globals['_TIMELINE']._serialized_start=1733
+  _globals['_TIMELINE']._serialized_end=1786
+  _globals['_GENERATERESPONSE']._serialized_start=1789
+  _globals['_GENERATERESPONSE']._serialized_end=2027
+  _globals['_MODELINFOREQUEST']._serialized_start=2029
+  _globals['_MODELINFOREQUEST']._serialized_end=2047
+  _globals['_MODELINFORESPONSE']._serialized_start=2050
+  _globals['_MODELINFORESPONSE']._serialized_end=2195
+  _globals['_TOKENIZEREQUEST']._serialized_start=2197
+  _globals['_TOKENIZEREQUEST']._serialized_end=2287
+  _globals['_TOKENIZERESPONSE']._serialized_start=2289
+  _globals['_TOKENIZERESPONSE']._serialized_end=2341
+  _globals['_GENERATION']._serialized_start=2466
+  _globals['_GENERATION']._serialized_end=2696
 # @@protoc_insertion_point(module_scope)

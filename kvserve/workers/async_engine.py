@@ -103,6 +103,9 @@ class AsyncLLMEngine:
         Leaving the iteration early (break, cancel) aborts the request and frees its KV blocks.
         """
         self.check_health()
+        if _constrained(params):  # compiled off this loop and off the step loop
+            await asyncio.get_running_loop().run_in_executor(
+                None, self.engine.compile_grammar, params)
         seq = self.engine.make_sequence(
             prompt=prompt, prompt_token_ids=prompt_token_ids, messages=messages,
             params=params, request_id=request_id, cache_salt=cache_salt,
@@ -313,3 +316,9 @@ def unobserved(stream: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOut
 def _no_op() -> None:
     """Queued behind the step in flight on the single step thread: awaiting it waits for it."""
 
+
+def _constrained(params: SamplingParams | dict[str, Any] | None) -> bool:
+    """The request carries a structured-output constraint (a grammar to compile)."""
+    if isinstance(params, dict):
+        return params.get("structured_outputs") is not None
+    return getattr(params, "structured_outputs", None) is not None

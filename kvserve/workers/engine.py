@@ -35,6 +35,7 @@ from kvserve.workers.core.outputs import (
     SpecDecodeStats,
 )
 from kvserve.workers.core.prefill_rate import PrefillRate
+from kvserve.workers.core.sampling_params import SamplingParams
 from kvserve.workers.core.scheduler import SchedulerOutput
 from kvserve.workers.core.sequence import FinishReason, Sequence
 from kvserve.workers.core.timeline import (
@@ -44,13 +45,14 @@ from kvserve.workers.core.timeline import (
     StepRecord,
     StepTotals,
 )
-from kvserve.workers.input_processor import InputProcessor
+from kvserve.workers.input_processor import InputProcessor, as_params
 from kvserve.workers.model_executor.attention import PagedAttention
 from kvserve.workers.model_executor.loader import LoadedCheckpoint
 from kvserve.workers.model_executor.model_runner import ForwardView
 from kvserve.workers.model_executor.rejection_sampler import Verified, sample_and_verify
 from kvserve.workers.output_processor import OutputProcessor
 from kvserve.workers.step_recorder import PhaseClock, StepRecorder
+from kvserve.workers.structured_output import StructuredOutputManager
 
 __all__ = ["EngineLoad", "LLMEngine", "ModelInfo", "Proposer"]
 
@@ -93,8 +95,11 @@ class LLMEngine:
         self.prefill_rate = PrefillRate(config.max_num_batched_tokens)
         self.spec_stats = SpecDecodeStats()
         self.recorder = StepRecorder(config.timeline_steps, self.block_manager, self.scheduler)
+        self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size,
+                                                  self.eos_token_ids)
         self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len,
-                                     self.block_manager, self.runner.rope)
+                                              self.block_manager, self.runner.rope,
+                                              self.structured)
         self.output_processor = OutputProcessor(self.tokenizer, self.recorder,
                                                self.proposer.forget if self.proposer else None)
         self.requests = self.output_processor.requests  # live request id -> RequestState
@@ -127,6 +132,16 @@ class LLMEngine:
         """Validation only (`InputProcessor.make_sequence`): builds the sequence without
         touching the engine's state."""
         return self.input_processor.make_sequence(**request)
+
+    def compile_grammar(self, params: SamplingParams | dict[str, Any] | None) -> None:
+        """Compile a request's structured-output constraint into the grammar cache ahead of
+        `make_sequence` (the async engine calls it on a worker thread, so a long compile holds
+        up neither the step loop nor its event loop); a no-op for an unconstrained request.
+        Raises InvalidRequestError as `make_sequence` would."""
+        spec = as_params(params).structured_outputs
+        if spec is not None:
+            spec.validate()
+            self.structured.compile(spec)
 
     def tokenize(self, **prompt: Any) -> list[int]:
         """The token ids a request with this input would get (the Tokenize RPC)."""
@@ -266,6 +281,7 @@ class LLMEngine:
         for inspect in list(self.recorder.forward_observers):  # debuggers: off the phases
             inspect(self.runner.view(inp, logits))
             clock.lap()
+        self.structured.apply(logits, inp.sampling)  # constrained rows: allowed tokens only
         verified = sample_and_verify(logits, inp.sampling)
         laps.append(clock.lap())  # sample
         self.prefill_rate.observe(scheduled.num_tokens, time.perf_counter() - start, budget)
@@ -278,8 +294,9 @@ class LLMEngine:
         (stop checks on each token's text, from the request's detokenizer), the step is
         recorded, and the outputs are built."""
         texts = self.output_processor.step_texts()
-        reasons = self.scheduler.update_from_output(
-            scheduled, seqs, [v.token_ids for v in verified], texts.push)
+        tokens = [v.token_ids for v in verified]
+        reasons = self.scheduler.update_from_output(scheduled, seqs, tokens, texts.push)
+        self.structured.accept(seqs, tokens, texts.taken)
         for seq, v in zip(seqs, verified, strict=True):
             if v.num_drafts:
                 self.spec_stats.observe(v.num_drafts, v.num_accepted)
@@ -308,7 +325,7 @@ class LLMEngine:
             seq.spec_token_ids = []
             room = min(seq.params.max_tokens - len(seq.output_token_ids),
                        self.max_model_len - seq.num_tokens) - 1  # the target's own token: 1
-            if on and room > 0 and seq.params.speculate and (
+            if on and room > 0 and seq.params.speculate and seq.grammar is None and (
                     seq.num_tokens - seq.num_computed_tokens == 1):  # decoding
                 wanted.append((seq, min(seq.spec_len or k, room)))
         if wanted:

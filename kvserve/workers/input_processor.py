@@ -21,6 +21,7 @@ from kvserve.workers.core.sampling_params import SamplingParams
 from kvserve.workers.core.sequence import Sequence
 from kvserve.workers.errors import InvalidRequestError
 from kvserve.workers.model_executor.rope import RotaryEmbedding
+from kvserve.workers.structured_output import StructuredOutputManager
 
 
 class InputProcessor:
@@ -28,8 +29,10 @@ class InputProcessor:
     `Sequence` with its own seeded generator and its prefix-cache salt."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int,
-                 block_manager: BlockManager, rope: RotaryEmbedding) -> None:
+                 block_manager: BlockManager, rope: RotaryEmbedding,
+                 structured: StructuredOutputManager) -> None:
         self.tokenizer = tokenizer
+        self.structured = structured  # compiles a constrained request's grammar
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.block_manager = block_manager  # read only: the pool's size, in blocks
@@ -59,7 +62,10 @@ class InputProcessor:
         generator = torch.Generator().manual_seed(seed)
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise InvalidRequestError("cache_salt", "must be a string")
-        return Sequence(request_id, ids, params, generator,
+        grammar = None
+        if params.structured_outputs is not None:  # last: the one check that compiles
+            grammar = self.structured.matcher(params.structured_outputs)
+        return Sequence(request_id, ids, params, generator, grammar=grammar,
                         cache_salt=block_salt(cache_salt or "", self.rope.cache_key(len(ids))))
 
     def tokenize(

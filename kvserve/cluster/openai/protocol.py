@@ -1,11 +1,12 @@
 """The OpenAI request bodies kvserve accepts, and its errors in OpenAI's shape.
 
 Field names, types and defaults are OpenAI's (plus vLLM's extras: top_k, min_p,
-repetition_penalty, ignore_eos, stop_token_ids, cache_salt; and kvserve's `speculate`), so the
-`openai` SDK, LangChain and lm-evaluation-harness send what they always send. Unknown fields
-are ignored, as vLLM does; fields kvserve cannot honour (`suffix`, `logit_bias`, `tools`, a
-non-text `response_format`, `best_of` other than `n`) are refused naming the field rather than
-silently dropped.
+repetition_penalty, ignore_eos, stop_token_ids, cache_salt, structured_outputs and the
+guided_json / guided_regex / guided_choice / guided_grammar it replaces; and kvserve's
+`speculate`), so the `openai` SDK, LangChain and lm-evaluation-harness send what they always
+send. `response_format` json_object and json_schema become the engine's structured outputs.
+Unknown fields are ignored, as vLLM does; fields kvserve cannot honour (`suffix`, `logit_bias`,
+`tools`, `best_of` other than `n`) are refused naming the field rather than silently dropped.
 
 Range checks are the engine's own (`SamplingParams.validate`): this module only checks types,
 so one definition of every bound serves gRPC, HTTP and in-process callers alike.
@@ -71,6 +72,13 @@ class SamplingFields(BaseModel):
     return_tokens_as_token_ids: bool = False
     # each choice (and each streamed delta) carries its new `token_ids`
     return_token_ids: bool = False
+    # structured outputs: OpenAI's response_format, or vLLM's structured_outputs / guided_*
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def refused(self) -> tuple[str, str] | None:
         """(field, why) for a field set to something kvserve cannot honour."""
@@ -78,7 +86,43 @@ class SamplingFields(BaseModel):
             return "logit_bias", "logit_bias is not supported"
         if self.n < 1:
             return "n", f"must be >= 1, got {self.n}"
+        try:
+            self.constraint()
+        except OpenAIError as exc:
+            return exc.param or "response_format", exc.message
         return None
+
+    def constraint(self) -> tuple[dict[str, Any], str] | None:
+        """The output constraint the request sets, as the engine's `structured_outputs`
+        (`SamplingParams`), and the parameter that set it, which its errors name; None if
+        none. At most one of response_format, structured_outputs and guided_* may be set."""
+        given: list[tuple[dict[str, Any], str]] = []
+        fmt = self.response_format
+        if fmt is not None and fmt.get("type", "text") != "text":
+            if fmt.get("type") == "json_object":
+                given.append(({"json_object": True}, "response_format"))
+            elif fmt.get("type") == "json_schema":
+                spec = fmt.get("json_schema")
+                schema = spec.get("schema") if isinstance(spec, dict) else None
+                if not isinstance(schema, dict):
+                    raise OpenAIError(400, "response_format: json_schema needs a `schema` "
+                                      "object", param="response_format")
+                given.append(({"json": schema}, "response_format"))
+            else:
+                raise OpenAIError(400, "response_format: type must be text, json_object or "
+                                  f"json_schema, not {fmt.get('type')!r}",
+                                  param="response_format")
+        if self.structured_outputs is not None:
+            given.append((dict(self.structured_outputs), "structured_outputs"))
+        for name, key in (("guided_json", "json"), ("guided_regex", "regex"),
+                          ("guided_choice", "choice"), ("guided_grammar", "grammar")):
+            if (value := getattr(self, name)) is not None:
+                given.append(({key: value}, name))
+        if len(given) > 1:
+            raise OpenAIError(400, f"{given[1][1]}: set one of response_format, "
+                              "structured_outputs and guided_*, not several",
+                              param=given[1][1])
+        return given[0] if given else None
 
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
@@ -125,14 +169,11 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
 
     def refused(self) -> tuple[str, str] | None:
         if self.tools:
             return "tools", "tool calling is not supported"
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            return "response_format", "only the text response format is supported"
         if self.top_logprobs is not None and not self.logprobs:
             return "top_logprobs", "top_logprobs needs logprobs: true"
         return super().refused()

@@ -277,6 +277,9 @@ class OpenAIServing:
         instead of computing the same prompt n times in one step."""
         request_id = new_id("req")
         salt = req.cache_salt or tenant
+        constraint = req.constraint()
+        if constraint is not None:  # the engine's errors name the parameter the caller set
+            rename = {**rename, "structured_outputs": constraint[1]}
 
         def open_sample(p: int, ids: list[int], j: int) -> _Sample:
             params = _engine_params(req, max_tokens(len(ids)), logprobs, j)
@@ -363,6 +366,8 @@ def _engine_params(req: SamplingFields, max_tokens: int, logprobs: int | None, j
         values["ignore_eos"] = True
     if logprobs is not None:
         values["logprobs"] = logprobs
+    if (constraint := req.constraint()) is not None:
+        values["structured_outputs"] = constraint[0]
     return values
 
 

@@ -10,6 +10,7 @@ processing), like vLLM.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +18,71 @@ from typing import Any
 from kvserve.workers.errors import InvalidRequestError
 
 GREEDY_BELOW = 1e-5
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """A constraint on a request's output, vLLM's `structured_outputs`: exactly one of
+    `json` (a JSON schema, kept as compact JSON text in its own key order: properties are
+    generated in that order), `json_object` (any JSON object), `regex`, `choice` (one of these
+    strings) or `grammar` (EBNF, as xgrammar reads it). The engine masks every step's logits
+    to the tokens the constraint allows (`kvserve.workers.structured_output`)."""
+
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> StructuredOutputs:
+        """From user input: {"json": schema (a dict or its text)} or {"regex": ...}, ...;
+        unknown keys are refused by name."""
+        if not isinstance(values, dict):
+            raise InvalidRequestError("structured_outputs", "must be an object such as "
+                                      '{"json": {...}}, {"regex": "..."} or {"choice": [...]}')
+        for name in values:
+            if name not in STRUCTURED_KINDS:
+                raise InvalidRequestError("structured_outputs",
+                                          f"unknown constraint {name!r} (one of "
+                                          f"{', '.join(STRUCTURED_KINDS)})")
+        values = dict(values)
+        schema = values.get("json")
+        if isinstance(schema, (dict, bool)):
+            values["json"] = json.dumps(schema, separators=(",", ":"))
+        elif isinstance(schema, str):
+            try:
+                values["json"] = json.dumps(json.loads(schema), separators=(",", ":"))
+            except ValueError as exc:
+                raise InvalidRequestError("structured_outputs",
+                                          f"json: not a JSON schema ({exc})") from None
+        if isinstance(values.get("choice"), list):
+            values["choice"] = tuple(values["choice"])
+        return cls(**values)
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is set (the first, for one that sets several: `validate` refuses)."""
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+    def validate(self) -> None:
+        set_ = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(set_) != 1:
+            raise InvalidRequestError("structured_outputs",
+                                      f"set exactly one of {', '.join(STRUCTURED_KINDS)}, "
+                                      f"not {len(set_)}")
+        for name in ("json", "regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise InvalidRequestError("structured_outputs", f"{name}: must be a non-empty "
+                                          "string")
+        if not isinstance(self.json_object, bool):
+            raise InvalidRequestError("structured_outputs", "json_object: must be a boolean")
+        if self.choice is not None and (
+                not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+            raise InvalidRequestError("structured_outputs",
+                                      "choice: must be a non-empty list of non-empty strings")
 
 
 @dataclass(frozen=True)
@@ -35,6 +101,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n logprobs per generated token (0: only the sampled one)
     speculate: bool = True  # False: no speculative decoding for this request, if the engine has it
+    # a constraint on the output (JSON schema, regex, choice, grammar); such a request does
+    # not speculate
+    structured_outputs: StructuredOutputs | None = None
 
     @property
     def greedy(self) -> bool:
@@ -52,6 +121,9 @@ class SamplingParams:
         for name in ("stop", "stop_token_ids"):
             if name in values:
                 values[name] = _as_tuple(name, values[name])
+        if isinstance(values.get("structured_outputs"), dict):
+            values["structured_outputs"] = StructuredOutputs.from_dict(
+                values["structured_outputs"])
         return cls(**values)
 
     def validate(self, vocab_size: int) -> None:
@@ -77,6 +149,14 @@ class SamplingParams:
         for name in ("ignore_eos", "speculate"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(name, "must be a boolean")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputs):
+                raise InvalidRequestError("structured_outputs",
+                                          "must be StructuredOutputs or a dict")
+            self.structured_outputs.validate()
+            if self.ignore_eos:
+                raise InvalidRequestError("ignore_eos", "cannot be combined with "
+                                          "structured_outputs: the grammar's end is the end")
 
 
 def _as_tuple(name: str, value: Any) -> tuple:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -52,6 +53,9 @@ class Sequence:
     num_draft_tokens: int = 0  # drafts verified so far
     spec_len: int = 0  # drafts to ask for next step (0: the most, num_speculative_tokens)
     num_accepted_tokens: int = 0  # of which the target model accepted
+    # structured outputs: the grammar matcher of its constraint (an xgrammar GrammarMatcher,
+    # advanced by every output token; kvserve.workers.structured_output), None if unconstrained
+    grammar: Any = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -1,0 +1,236 @@
+"""Structured outputs (kvserve/workers/structured_output.py): the request fields, the masks on
+the real model, exactness against transformers with the same library's mask, batch
+invariance, and the phrase recipe. Over HTTP (the openai SDK) and gRPC through Serve:
+tests/test_serve_app.py."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from kvserve.bench.structured import PROMPTS, SCHEMAS, cases
+from kvserve.cluster.client import structured_outputs_message
+from kvserve.cluster.convert import structured_outputs as from_message
+from kvserve.cluster.openai.protocol import ChatCompletionRequest, OpenAIError
+from kvserve.workers.core.sampling_params import SamplingParams, StructuredOutputs
+from kvserve.workers.errors import InvalidRequestError
+from tests.helpers import output_ids, schema_errors
+
+MAX_TOKENS = 160  # every constrained answer below closes its JSON within this
+
+
+def _params(**values) -> SamplingParams:
+    params = SamplingParams.from_dict(values)
+    params.validate(vocab_size=100)
+    return params
+
+
+# -- the request fields ----------------------------------------------------------------------
+
+
+def test_a_constraint_is_exactly_one_kind_and_a_schema_keeps_its_key_order():
+    spec = _params(structured_outputs={"json": {"b": 1, "a": 2}}).structured_outputs
+    assert spec == StructuredOutputs(json='{"b":1,"a":2}') and spec.kind == "json"
+    assert _params(structured_outputs={"choice": ["x", "y"]}).structured_outputs.choice == (
+        "x", "y")
+    bad = [({"json": "{not json"}, "structured_outputs"),
+           ({"regex": "a", "choice": ["a"]}, "structured_outputs"),
+           ({}, "structured_outputs"),
+           ({"schema": {}}, "structured_outputs"),
+           ({"choice": []}, "structured_outputs"),
+           ({"regex": ""}, "structured_outputs")]
+    for value, field in bad:
+        with pytest.raises(InvalidRequestError) as err:
+            _params(structured_outputs=value)
+        assert err.value.field == field, value
+    with pytest.raises(InvalidRequestError) as err:
+        _params(structured_outputs={"json_object": True}, ignore_eos=True)
+    assert err.value.field == "ignore_eos"
+
+
+def test_openai_fields_become_the_engines_constraint_naming_what_the_caller_set():
+    def constraint(**body):
+        return ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}],
+                                     **body).constraint()
+
+    schema = SCHEMAS["person"]
+    assert constraint() is None
+    assert constraint(response_format={"type": "text"}) is None
+    assert constraint(response_format={"type": "json_object"}) == (
+        {"json_object": True}, "response_format")
+    assert constraint(response_format={"type": "json_schema", "json_schema": {
+        "name": "person", "schema": schema, "strict": True}}) == ({"json": schema},
+                                                                  "response_format")
+    assert constraint(guided_regex="[0-9]+") == ({"regex": "[0-9]+"}, "guided_regex")
+    assert constraint(guided_choice=["a", "b"]) == ({"choice": ["a", "b"]}, "guided_choice")
+    assert constraint(structured_outputs={"grammar": "root ::= \"x\""}) == (
+        {"grammar": "root ::= \"x\""}, "structured_outputs")
+    for body, param in [({"response_format": {"type": "xml"}}, "response_format"),
+                        ({"response_format": {"type": "json_schema"}}, "response_format"),
+                        ({"response_format": {"type": "json_object"}, "guided_regex": "a"},
+                         "guided_regex")]:
+        with pytest.raises(OpenAIError) as err:
+            constraint(**body)
+        assert err.value.param == param and err.value.status == 400
+
+
+def test_the_grpc_message_carries_each_kind_both_ways():
+    for spec in ({"json": SCHEMAS["tags"]}, {"json_object": True}, {"regex": "a+"},
+                 {"choice": ["yes", "no"]}, {"grammar": 'root ::= "x"'}):
+        back = from_message(structured_outputs_message(spec))
+        if "json" in spec:
+            assert json.loads(back["json"]) == spec["json"]
+        else:
+            assert back == spec
+
+
+# -- the real model --------------------------------------------------------------------------
+
+
+def _answers(engine, constrained: bool) -> dict[tuple[str, str], str]:
+    requests = []
+    for name, prompt in cases():
+        params = {"temperature": 0, "max_tokens": MAX_TOKENS if constrained else 32}
+        if constrained:
+            params["structured_outputs"] = {"json": SCHEMAS[name]}
+        requests.append({"messages": [{"role": "user", "content": prompt}], "params": params,
+                         "request_id": f"{name}: {prompt}"})
+    outs = engine.generate_all(requests)
+    return {(name, prompt): "".join(o.text for o in outs[f"{name}: {prompt}"])
+            for name, prompt in cases()}
+
+
+def test_thirty_prompts_on_five_schemas_all_validate_and_fail_without_the_constraint(
+        real_engine):
+    """100 % of 30 answers (5 schemas x 6 prompts, greedy) parse and validate with
+    `jsonschema`. Negative control: the same prompts unconstrained fail validation."""
+    assert len(cases()) == 30 and len(SCHEMAS) == 5
+    assert schema_errors(_answers(real_engine, constrained=True)) == []
+    unconstrained = schema_errors(_answers(real_engine, constrained=False))
+    assert len(unconstrained) >= 25, unconstrained  # prose, mostly
+    assert real_engine.structured.masked_rows > 0
+
+
+def test_constrained_greedy_equals_transformers_with_the_same_mask(real_engine, hf_model):
+    """transformers' `generate()` with xgrammar's own logits processor over the same compiled
+    grammar writes the engine's tokens, token for token, on three schemas."""
+    import torch
+    from xgrammar.contrib.hf import LogitsProcessor
+
+    for name in ("person", "review", "tags"):
+        prompt = PROMPTS[name][0]
+        messages = [{"role": "user", "content": prompt}]
+        spec = StructuredOutputs.from_dict({"json": SCHEMAS[name]})
+        ids = real_engine.tokenize(messages=messages)
+        ours = output_ids(next(iter(real_engine.generate_all([{
+            "prompt_token_ids": ids, "params": {"temperature": 0, "max_tokens": 40,
+                                                "structured_outputs": {"json": SCHEMAS[name]}}
+        }]).values())))
+        processor = LogitsProcessor(real_engine.structured.compile(spec))
+        with torch.no_grad():
+            theirs = hf_model.generate(torch.tensor([ids]), max_new_tokens=40, do_sample=False,
+                                       logits_processor=[processor], pad_token_id=2)
+        assert ours == theirs[0, len(ids):].tolist(), name
+
+
+def test_a_constrained_request_gets_the_same_tokens_alone_and_beside_unconstrained_ones(
+        real_engine):
+    """Seeded sampling at temperature 0.8: the constrained request's tokens do not depend on
+    the batch (its mask is its own row's)."""
+    request = {"messages": [{"role": "user", "content": PROMPTS["book"][0]}],
+               "params": {"temperature": 0.8, "seed": 7, "max_tokens": 48,
+                          "structured_outputs": {"json": SCHEMAS["book"]}},
+               "request_id": "constrained"}
+    solo = real_engine.generate_all([request])["constrained"]
+    alone = output_ids(solo)
+    others = [{"messages": [{"role": "user", "content": p}], "request_id": f"other-{i}",
+               "params": {"temperature": 0.8, "seed": i, "max_tokens": 48}}
+              for i, p in enumerate(PROMPTS["city"][:3])]
+    batched = real_engine.generate_all([others[0], request, *others[1:]])
+    assert output_ids(batched["constrained"]) == alone
+    jsonschema.validate(json.loads("".join(o.text for o in solo)), SCHEMAS["book"])
+
+
+# The phrase constraint of the design (transformers' PhrasalConstraint): a report that must
+# contain given key terms. A regex of bounded free text around the phrases, in order, makes
+# the engine write them within a known number of characters.
+PHRASES = ("KV cache", "paged attention")
+PHRASE_REGEX = r"[A-Za-z ,]{1,60}KV cache[A-Za-z ,]{1,60}paged attention[A-Za-z ,]{0,40}\."
+
+
+def test_the_phrase_recipe_writes_every_required_phrase(real_engine):
+    """docs/structured-outputs.md's recipe: with the regex both phrases appear. Negative
+    control: unconstrained, the model's answer contains neither."""
+    messages = [{"role": "user", "content": "In one sentence, why are LLM servers fast?"}]
+    outs = real_engine.generate_all([
+        {"messages": messages, "request_id": "recipe",
+         "params": {"temperature": 0, "max_tokens": 80,
+                    "structured_outputs": {"regex": PHRASE_REGEX}}},
+        {"messages": messages, "request_id": "free",
+         "params": {"temperature": 0, "max_tokens": 80}}])
+    recipe, free = ("".join(o.text for o in outs[r]) for r in ("recipe", "free"))
+    assert re.fullmatch(PHRASE_REGEX, recipe), recipe
+    assert all(p in recipe for p in PHRASES)
+    assert not any(p.lower() in free.lower() for p in PHRASES), free
+
+
+def test_a_grammar_that_does_not_compile_is_refused_by_name_and_disturbs_nothing(real_engine):
+    before = real_engine.block_manager.num_free
+    for spec in ({"regex": "(unclosed"}, {"grammar": "root ::= ("},
+                 {"json": {"type": "no-such-type"}}):
+        with pytest.raises(InvalidRequestError) as err:
+            real_engine.add_request(prompt="hi", params={"structured_outputs": spec})
+        assert err.value.field == "structured_outputs", spec
+    assert not real_engine.requests and real_engine.block_manager.num_free == before
+
+
+def test_preemption_and_swaps_keep_each_constraint_where_its_output_is(real_checkpoint,
+                                                                       real_engine):
+    """Six constrained requests in a pool that holds half of them: they are preempted, swapped
+    to the host tier and back (or recomputed), and each still writes the tokens it writes
+    alone, valid against its schema. The grammar follows the output tokens, which neither
+    preemption nor a swap changes."""
+    from kvserve.workers.config import EngineConfig
+    from kvserve.workers.engine import LLMEngine
+
+    small = LLMEngine(EngineConfig(num_kv_blocks=12, num_host_kv_blocks=16, block_size=16),
+                      checkpoint=real_checkpoint)
+    chosen = [(n, PROMPTS[n][i]) for n in ("person", "book", "city") for i in range(2)]
+    requests = [{"messages": [{"role": "user", "content": prompt}], "request_id": prompt,
+                 "params": {"temperature": 0, "max_tokens": 60,
+                            "structured_outputs": {"json": SCHEMAS[name]}}}
+                for name, prompt in chosen]
+    pressed = small.generate_all(requests)
+    assert small.scheduler.num_preemptions > 0
+    alone = real_engine.generate_all(requests)
+    for _, prompt in chosen:
+        assert output_ids(pressed[prompt]) == output_ids(alone[prompt]), prompt
+    assert schema_errors({c: "".join(o.text for o in pressed[c[1]]) for c in chosen}) == []
+
+
+def test_bench_structured_reports_both_modes_at_each_batch_size(real_checkpoint, monkeypatch):
+    """`kvserve bench structured` at tiny size: every request runs exactly output_len tokens
+    in both modes (the long schema cannot close), and the mask's time is counted only where a
+    schema is."""
+    from kvserve.bench import structured
+    from kvserve.cli import build_parser
+    from kvserve.workers.config import EngineConfig
+    from kvserve.workers.engine import LLMEngine
+
+    monkeypatch.setattr(structured, "LLMEngine",
+                        lambda config: LLMEngine(config, checkpoint=real_checkpoint))
+    report = structured.run_structured_bench(EngineConfig(kv_cache_memory="256MiB"),
+                                             output_len=6, repeats=1, batch_sizes=(1, 3),
+                                             progress=False)
+    assert [r["batch"] for r in report["rows"]] == [1, 3]
+    for row in report["rows"]:
+        plain, schema = row["unconstrained"], row["json_schema"]
+        assert plain["output_tokens"] == schema["output_tokens"] == 6 * row["batch"]
+        assert plain["masked_rows"] == 0 and schema["masked_rows"] == 6 * row["batch"]
+        assert row["ratio"] == schema["tok_s"] / plain["tok_s"]
+    assert "json_schema tok/s" in report["summary"] and report["weights_read_ms"] > 0
+    args = build_parser().parse_args(["bench", "structured", "--batch-sizes", "1,8", "--json"])
+    assert args.batch_sizes == [1, 8] and args.output_len == 64 and args.json
