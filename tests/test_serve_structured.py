@@ -47,7 +47,7 @@ def test_structured_outputs_validate_over_http_and_grpc():
     with serve_locally(DEFAULT_APP, reuse=True, name=APP) as served:
         client = openai.OpenAI(base_url=f"{served.http_url}/v1", api_key="unused",
                                max_retries=0, timeout=300)
-        with ThreadPoolExecutor(16) as pool:
+        with ThreadPoolExecutor(2 * len(cases())) as pool:  # one batch on the replica
             http = pool.map(lambda c: _http(client, *c), cases())
             rpc = pool.map(lambda c: _grpc(served.target, *c), cases())
             answers = {"http": list(http), "grpc": list(rpc)}

@@ -187,17 +187,17 @@ def test_a_grammar_that_does_not_compile_is_refused_by_name_and_disturbs_nothing
     assert not real_engine.requests and real_engine.block_manager.num_free == before
 
 
-def test_preemption_and_swaps_keep_each_constraint_where_its_output_is(real_checkpoint,
-                                                                       real_engine):
+def test_preemption_swaps_and_prefix_hits_keep_each_constraint_where_its_output_is(
+        real_checkpoint, real_engine):
     """Six constrained requests in a pool that holds half of them: they are preempted, swapped
     to the host tier and back (or recomputed), and each still writes the tokens it writes
-    alone, valid against its schema. The grammar follows the output tokens, which neither
-    preemption nor a swap changes."""
+    alone, valid against its schema; run again, they start from cached prefix blocks and
+    write the same. The grammar follows the output tokens, which none of these change."""
     from kvserve.workers.config import EngineConfig
     from kvserve.workers.engine import LLMEngine
 
-    small = LLMEngine(EngineConfig(num_kv_blocks=12, num_host_kv_blocks=16, block_size=16),
-                      checkpoint=real_checkpoint)
+    small = LLMEngine(EngineConfig(num_kv_blocks=12, num_host_kv_blocks=16, block_size=16,
+                                   enable_prefix_caching=True), checkpoint=real_checkpoint)
     chosen = [(n, PROMPTS[n][i]) for n in ("person", "book", "city") for i in range(2)]
     requests = [{"messages": [{"role": "user", "content": prompt}], "request_id": prompt,
                  "params": {"temperature": 0, "max_tokens": 60,
@@ -209,6 +209,11 @@ def test_preemption_and_swaps_keep_each_constraint_where_its_output_is(real_chec
     for _, prompt in chosen:
         assert output_ids(pressed[prompt]) == output_ids(alone[prompt]), prompt
     assert schema_errors({c: "".join(o.text for o in pressed[c[1]]) for c in chosen}) == []
+    again = small.generate_all([{**r, "request_id": f"again {r['request_id']}"}
+                                for r in requests])
+    assert sum(outs[-1].usage.cached_tokens for outs in again.values()) > 0
+    for _, prompt in chosen:
+        assert output_ids(again[f"again {prompt}"]) == output_ids(alone[prompt]), prompt
 
 
 def test_bench_structured_reports_both_modes_at_each_batch_size(real_checkpoint, monkeypatch):
