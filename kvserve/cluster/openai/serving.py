@@ -282,7 +282,7 @@ class OpenAIServing:
             rename = {**rename, "structured_outputs": constraint[1]}
 
         def open_sample(p: int, ids: list[int], j: int) -> _Sample:
-            params = _engine_params(req, max_tokens(len(ids)), logprobs, j)
+            params = _engine_params(req, max_tokens(len(ids)), logprobs, j, constraint)
             index = p * req.n + j
             stream = traced(self.observe(self.engine.generate(
                 prompt_token_ids=ids, params=params, cache_salt=salt,
@@ -352,8 +352,9 @@ def _chunk(head: dict[str, Any], choice: dict[str, Any], include_usage: bool) ->
     return chunk
 
 
-def _engine_params(req: SamplingFields, max_tokens: int, logprobs: int | None, j: int
-                   ) -> dict[str, Any]:
+def _engine_params(req: SamplingFields, max_tokens: int, logprobs: int | None, j: int,
+                   constraint: tuple[dict[str, Any], str] | None = None) -> dict[str, Any]:
+    """Sample j's engine params; `constraint`: `req.constraint()`, worked out once."""
     values: dict[str, Any] = {"max_tokens": max_tokens}
     values |= {name: v for name in _SAMPLING if (v := getattr(req, name)) is not None}
     if req.seed is not None:
@@ -366,7 +367,7 @@ def _engine_params(req: SamplingFields, max_tokens: int, logprobs: int | None, j
         values["ignore_eos"] = True
     if logprobs is not None:
         values["logprobs"] = logprobs
-    if (constraint := req.constraint()) is not None:
+    if constraint is not None:
         values["structured_outputs"] = constraint[0]
     return values
 

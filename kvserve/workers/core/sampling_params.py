@@ -61,13 +61,16 @@ class StructuredOutputs:
             values["choice"] = tuple(values["choice"])
         return cls(**values)
 
+    def kinds(self) -> list[str]:
+        """The constraints set (`validate` refuses any number but one)."""
+        return [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+
     @property
     def kind(self) -> str:
-        """Which constraint is set (the first, for one that sets several: `validate` refuses)."""
-        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+        return self.kinds()[0]
 
     def validate(self) -> None:
-        set_ = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        set_ = self.kinds()
         if len(set_) != 1:
             raise InvalidRequestError("structured_outputs",
                                       f"set exactly one of {', '.join(STRUCTURED_KINDS)}, "
