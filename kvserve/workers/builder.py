@@ -80,8 +80,7 @@ class EngineParts:
     device: torch.device
     dtype: torch.dtype
     max_model_len: int
-    model: CausalLM
-    runner: ModelRunner
+    runner: ModelRunner  # its model: runner.model
     block_manager: BlockManager
     scheduler: Scheduler
     kv_events: KVEvents
@@ -148,7 +147,7 @@ def build_engine_parts(config: EngineConfig, checkpoint: LoadedCheckpoint | None
         cuda_graph_sizes=tuple(runner.graphs.sizes) if runner.graphs else ())
     proposer = make_proposer(config, ckpt, draft_checkpoint, model, runner, cpu_kernels, spec,
                              num_blocks, max_model_len)
-    return EngineParts(ckpt, device, dtype, max_model_len, model, runner, block_manager,
+    return EngineParts(ckpt, device, dtype, max_model_len, runner, block_manager,
                        scheduler, kv_events, proposer, eos, spec.bytes_per_block, info)
 
 

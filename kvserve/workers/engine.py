@@ -84,7 +84,8 @@ class LLMEngine:
         self.hf_config, self.tokenizer, self.model_path = ckpt.config, ckpt.tokenizer, ckpt.path
         self.vocab_size = ckpt.config.vocab_size
         self.device, self.dtype, self.max_model_len = parts.device, parts.dtype, parts.max_model_len
-        self.model, self.runner, self.proposer = parts.model, parts.runner, parts.proposer
+        self.runner, self.proposer = parts.runner, parts.proposer
+        self.model = parts.runner.model
         self.block_manager, self.scheduler = parts.block_manager, parts.scheduler
         self.kv_events = parts.kv_events  # the cluster turns it on to report to its cache manager
         self.eos_token_ids = parts.eos_token_ids
