@@ -38,10 +38,12 @@ def prompts(real_engine) -> dict[str, list[int]]:
 # that runs the full NEW_TOKENS, one that stops at an EOS
 GENERATE_ANCHORS = ("plain", "chat_yes")
 # the prompts the speculative engines also run one at a time (every prompt runs on them in the
-# staggered batches): the full length, an early EOS, code, repetition the n-gram drafter
-# finds, and the long prompt. A speculative step alone differs from one in a batch only in
-# its batch of one; the 13 alone took 72 s of the suite, these 5 about 30 s
-SPECULATIVE_ALONE = ("plain", "chat_yes", "code_python", "numbers", "long_1500")
+# staggered batches): the full length, an early EOS and the long prompt; for the n-gram
+# drafter also code and repetition, where its drafts come from. A speculative step alone
+# differs from one in a batch only in its batch of one
+SPECULATIVE_ALONE = {"speculative_engine": ("plain", "chat_yes", "code_python", "numbers",
+                                            "long_1500"),
+                     "draft_engine": ("plain", "chat_yes", "long_1500")}
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +57,7 @@ def alone(request, prompts) -> Callable[[str], dict[str, list[int]]]:
     def run(engine_name: str) -> dict[str, list[int]]:
         if engine_name not in runs:
             engine: LLMEngine = request.getfixturevalue(engine_name)
-            names = prompts if engine_name == "real_engine" else SPECULATIVE_ALONE
+            names = SPECULATIVE_ALONE.get(engine_name, prompts)
             runs[engine_name] = {name: solo_ids(engine, prompt_token_ids=prompts[name],
                                                 params=greedy())
                                  for name in names}

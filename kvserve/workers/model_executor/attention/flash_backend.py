@@ -243,6 +243,11 @@ def required_block_multiple(provider: str | None = None) -> int:
 
 
 def _torch_varlen_missing() -> str | None:
+    # the build first: importing torch.nn.attention.varlen imports torch._dynamo (~1 s), which a
+    # CPU-only torch need not pay to learn it has no flash kernel
+    flash_built = getattr(torch.backends.cuda, "is_flash_attention_available", lambda: False)
+    if not flash_built():
+        return "built without CUDA flash attention"
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
@@ -251,7 +256,4 @@ def _torch_varlen_missing() -> str | None:
     absent = [a for a in _VARLEN_ARGS if a not in params]
     if absent:
         return f"varlen_attn lacks {', '.join(absent)}"
-    flash_built = getattr(torch.backends.cuda, "is_flash_attention_available", lambda: False)
-    if not flash_built():
-        return "built without CUDA flash attention"
     return None
