@@ -102,9 +102,10 @@ def test_overload_refuses_fast_keeps_the_admitted_and_leaves_nothing_behind(tmp_
     """48 users against a replica that runs 4 and queues 4, for 6 s (a 60 s deadline): the rest
     are refused with RESOURCE_EXHAUSTED within a tenth of their deadline at p90 (a quarter at
     worst), nothing else fails, admitted streams complete, and afterwards the replica is idle
-    with no KV in use and serves the next request. (6 s is enough: every user is refused within a second of spawning, and
-    refused again after its backoff of ~0.5-1 s; the 8 admitted short streams end within a few
-    seconds, after the run time if need be, within Locust's stop timeout.)"""
+    with no KV in use and serves the next request. (6 s is enough: every user is refused within
+    a second of spawning, and refused again after its backoff of ~0.5-1 s; the 8 admitted short
+    streams end within a few seconds, after the run time if need be, within Locust's stop
+    timeout.)"""
     deadline_s = 60
     # refused by count only, so the first 8 are admitted and complete (with the default
     # max_expected_wait_s, the expected wait at a prompt rate measured under load can refuse
