@@ -43,7 +43,10 @@ def test_bench_machine_json_names_the_cpu_and_measures_every_rate():
     # a unit slip (bytes vs GB, a missing factor 2) or a timing of nothing
     assert 1 < report["memory_read_gb_s"] < 2000
     assert 5 < report["fp32_gemm_gflop_s"] < 100_000
-    assert 5 < report["bf16_gemm_gflop_s"] < 100_000
+    # without AVX512-BF16 or AMX-BF16, torch multiplies bf16 in a scalar fallback: ~1 GFLOP/s
+    # on an AVX2-only AMD EPYC
+    native_bf16 = any(flag in report["cpu"] for flag in ("avx512_bf16", "amx_bf16"))
+    assert (5 if native_bf16 else 0.05) < report["bf16_gemm_gflop_s"] < 100_000
     assert 1 < report["python_loop_ns"] < 10_000  # CPython: tens of ns an iteration
     assert 0 <= report["stolen_pct"] <= 100
 

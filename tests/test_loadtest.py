@@ -99,13 +99,16 @@ def test_loadtest_help_explains_itself():
 
 
 def test_overload_refuses_fast_keeps_the_admitted_and_leaves_nothing_behind(tmp_path):
-    """48 users against a replica that runs 4 and queues 4, for 6 s (a 60 s deadline): the rest
-    are refused with RESOURCE_EXHAUSTED within a tenth of their deadline at p90 (a quarter at
-    worst), nothing else fails, admitted streams complete, and afterwards the replica is idle
-    with no KV in use and serves the next request. (6 s is enough: every user is refused within
-    a second of spawning, and refused again after its backoff of ~0.5-1 s; the 8 admitted short
-    streams end within a few seconds, after the run time if need be, within Locust's stop
-    timeout.)"""
+    """48 users against a replica that runs 4 and queues 4, for 6 s (a 60 s deadline): the 40
+    others are refused with RESOURCE_EXHAUSTED, at p90 before the median admitted stream has
+    finished and at worst within a quarter of the deadline, nothing else fails, admitted streams
+    complete, and afterwards the replica is idle with no KV in use and serves the next request.
+
+    Negative control: a replica that queued instead (no `max_waiting_requests`) refuses nothing;
+    one that refused only after waiting for a slot would answer a refusal no sooner than an
+    admitted stream ends. The bounds are relative to the admitted streams because on a loaded
+    2-core host (the other test worker starting a Ray head) every stream, admitted or not, can
+    stall ~10 s."""
     deadline_s = 60
     # refused by count only, so the first 8 are admitted and complete (with the default
     # max_expected_wait_s, the expected wait at a prompt rate measured under load can refuse
@@ -126,14 +129,12 @@ def test_overload_refuses_fast_keeps_the_admitted_and_leaves_nothing_behind(tmp_
     refused = summary["failure_latency_ms"]["RESOURCE_EXHAUSTED"]
     # each second: [seconds in, users, failures so far] (`kvserve.bench.loadtest.load_history`)
     timeline = summary["load_over_time"][:12]
-    # the claim is "refused, not queued until the deadline": alone, p99 is ~0.3 s; with the
-    # other test worker computing beside it on 2 cores, a few refusals took ~8 s (the replica's
-    # steps stalled up to 2 s then), still far from what a queue gives (48 users for 4 slots
-    # of ~2.5 s streams: ~30 s)
-    assert refused["p90"] < 0.1 * deadline_s * 1000, (refused, timeline)
+    # refused, not queued: alone, refusals take ~0.02 s at p50 and ~0.3 s at p99, admitted
+    # streams ~2-5 s end to end; a queue (48 users for 4 slots of ~2.5 s streams) gives ~30 s
+    assert refused["p90"] < summary["e2el_p50_ms"], (refused, summary["e2el_p50_ms"], timeline)
     assert refused["max"] < 0.25 * deadline_s * 1000, (refused, timeline)
-    # refused again after backoff
-    assert summary["failures"]["RESOURCE_EXHAUSTED"] > 48, (summary["failures"], timeline)
+    # every user not admitted was refused (and, if the run time left room, again after backoff)
+    assert summary["failures"]["RESOURCE_EXHAUSTED"] >= 48 - 8, (summary["failures"], timeline)
     # admitted ones finish (within Locust's stop timeout, after the run time)
     completed = summary["streams"] - sum(summary["failures"].values())
     assert completed >= 8 and summary["output_tokens"] > 0, (completed, timeline)

@@ -107,14 +107,16 @@ def test_summary_takes_ttft_and_itl_percentiles_from_the_raw_samples(tmp_path):
     (tmp_path / "locust_stats.csv").write_text(LOCUST_STATS)
     cfg = LoadtestConfig(target="h:1", out=tmp_path, run_time_s=8)
     totals = {"output_tokens": 40, "ttft_ms": [100.0, 110.0, 130.0, 190.0],
-              "itl_ms": [10.0] * 9 + [20.0]}
+              "itl_ms": [10.0] * 9 + [20.0], "e2el_ms": [800.0, 900.0, 1000.0, 2000.0]}
     s = summarize(cfg, totals, elapsed_s=9.0)
+    assert s.e2el_p50_ms == pytest.approx(950.0) and s.e2el_p99_ms == pytest.approx(1970.0)
     assert (s.streams, s.run_time_s, s.output_tokens_per_s) == (4, 8, 5.0)
     assert s.ttft_p50_ms == pytest.approx(120.0) and s.ttft_p99_ms == pytest.approx(188.2)
     assert s.itl_p50_ms == pytest.approx(10.0) and s.itl_p99_ms == pytest.approx(19.1)
     # a totals file without samples (an older locustfile): Locust's own columns
     old = summarize(cfg, {"output_tokens": 40}, elapsed_s=9.0)
     assert (old.ttft_p50_ms, old.ttft_p99_ms, old.itl_p99_ms) == (120.0, 200.0, 19.0)
+    assert old.e2el_p50_ms is None  # Locust's stream row counts the failed streams too
     # samples recorded but none came (every stream failed before its first token): no number
     none = summarize(cfg, {"output_tokens": 0, "ttft_ms": [], "itl_ms": []}, elapsed_s=9.0)
     assert none.ttft_p99_ms is None and none.itl_p50_ms is None

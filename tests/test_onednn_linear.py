@@ -54,3 +54,21 @@ def test_memory_stays_flat_across_every_row_count_of_a_step_budget():
     assert done.returncode == 0, done.stderr[-2000:]
     growth_mib = float(done.stdout.split()[-1])
     assert growth_mib < 120, f"RSS grew {growth_mib:.0f} MiB over 512 row counts"
+
+
+def test_the_weights_read_bound_reads_onednn_packed_weights():
+    """Without kvserve's AVX-512 kernels (an AVX2-only CPU) the projections are oneDNN-packed
+    tensors, which have no `sum()`: the batch-1 bandwidth bound of `kvserve bench throughput`,
+    `bench speculative` and `bench structured` still reads their bytes. Negative control:
+    summing the packed weight itself raises NotImplementedError."""
+    from kvserve.bench.baselines import weight_bytes_per_decode_step, weights_read_seconds
+    from kvserve.workers.builder import build_model
+    from kvserve.workers.model_executor.tiny import tiny_checkpoint
+
+    model = build_model(tiny_checkpoint(), torch.device("cpu"), torch.float32, None)
+    assert model.lm_head.weight.is_mkldnn
+    with pytest.raises(NotImplementedError):
+        model.lm_head.weight.sum()
+    expected = sum(p.numel() * 4 for name, p in model.named_parameters() if "embed" not in name)
+    assert weight_bytes_per_decode_step(model) == expected
+    assert weights_read_seconds(model, repeats=2) > 0

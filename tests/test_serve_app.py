@@ -82,7 +82,7 @@ def test_cancelled_stream_frees_its_blocks_on_the_replica(served):
     next(call)
     assert handle.kv_cache_usage.remote().result() > 0
     call.cancel()
-    assert _wait_kv_free(handle) == 0  # within a second: a cancel frees its KV at once
+    assert _wait_kv_free(handle) == 0  # at the next step: not after its 1000 tokens
 
 
 def test_model_info_through_the_proxy(served):
@@ -202,7 +202,11 @@ def test_prometheus_endpoint_exposes_every_metric_during_traffic(served):
     assert not missing, f"metrics absent or zero: {missing}"
 
 
-def _wait_kv_free(handle, timeout: float = 1.0) -> float:
+def _wait_kv_free(handle, timeout: float = 5.0) -> float:
+    """The replica's KV usage once it is 0, or after `timeout`. An abort frees a request's
+    blocks at the next step boundary, and on a loaded 2-core host a step in flight can take ~2 s;
+    a stream the abort missed holds its blocks until its hundreds of `max_tokens` are decoded
+    (at >= 20 ms a token, well past 5 s), so the tests below still fail on a missed abort."""
     return poll(lambda: handle.kv_cache_usage.remote().result(), lambda u: u == 0, timeout, 0.05)
 
 
@@ -321,7 +325,7 @@ def test_http_client_that_disconnects_mid_stream_frees_its_blocks_on_the_replica
         while seen.count(b"data: ") < 2:
             seen += sock.recv(4096)
         assert served.handle.kv_cache_usage.remote().result() > 0
-    assert _wait_kv_free(served.handle, timeout=2.0) == 0
+    assert _wait_kv_free(served.handle) == 0
 
 
 # --- API keys and tenants: both protocols on this deployment --------------------------------

@@ -67,6 +67,9 @@ class LoadtestSummary:
     ttft_p99_ms: float | None
     itl_p50_ms: float | None
     itl_p99_ms: float | None
+    # request to last message of the streams that finished (vLLM's e2el)
+    e2el_p50_ms: float | None = None
+    e2el_p99_ms: float | None = None
     failures: dict[str, int] = field(default_factory=dict)  # gRPC status -> count
     # gRPC status -> {"p50", "p90", "p99", "max"} ms from request to the error: how fast
     # refusals come
@@ -125,13 +128,14 @@ def run_locust(cfg: LoadtestConfig) -> LoadtestSummary:
 
 
 def summarize(cfg: LoadtestConfig, totals: dict, elapsed_s: float) -> LoadtestSummary:
-    """The run's one-screen summary. TTFT and ITL p50/p99 come from the raw samples the
+    """The run's one-screen summary. TTFT, ITL and E2E p50/p99 come from the raw samples the
     locustfile recorded (`totals`), by `kvserve.bench.common.percentile`, so they mean what
     `kvserve bench serve`'s do; Locust's CSV columns (its rounded histogram) are the fallback
-    for a totals file without samples."""
+    for a totals file without TTFT or ITL samples (its `stream` row mixes in the failed streams,
+    so E2E has none)."""
     rows = {r["Name"]: r for r in _read_csv(cfg.out / "locust_stats.csv")}
     stream, ttft, itl = rows.get("stream", {}), rows.get("TTFT", {}), rows.get("ITL", {})
-    ttft_ms, itl_ms = totals.get("ttft_ms"), totals.get("itl_ms")
+    ttft_ms, itl_ms, e2el_ms = totals.get("ttft_ms"), totals.get("itl_ms"), totals.get("e2el_ms")
     failure_ms = totals.get("failure_ms")  # status -> [ms], one per failed stream
     run_time = min(elapsed_s, cfg.run_time_s) if cfg.run_time_s else elapsed_s
     streams, requests_per_s = _stream_counts(totals, stream)
@@ -141,6 +145,7 @@ def summarize(cfg: LoadtestConfig, totals: dict, elapsed_s: float) -> LoadtestSu
         output_tokens_per_s=totals["output_tokens"] / run_time if run_time else 0.0,
         ttft_p50_ms=_quantile(ttft_ms, 50, ttft), ttft_p99_ms=_quantile(ttft_ms, 99, ttft),
         itl_p50_ms=_quantile(itl_ms, 50, itl), itl_p99_ms=_quantile(itl_ms, 99, itl),
+        e2el_p50_ms=_quantile(e2el_ms, 50, {}), e2el_p99_ms=_quantile(e2el_ms, 99, {}),
         failures=({status: len(ms) for status, ms in sorted(failure_ms.items())}
                   if failure_ms is not None else _failures(cfg.out / "locust_failures.csv")),
         failure_latency_ms={status: _latency_stats(ms)
@@ -325,6 +330,7 @@ def format_summary(s: LoadtestSummary) -> str:
         f"  output tokens/s    {s.output_tokens_per_s:.1f} ({s.output_tokens} tokens)",
         f"  TTFT p50 / p99     {ms(s.ttft_p50_ms)} / {ms(s.ttft_p99_ms)}",
         f"  ITL p50 / p99      {ms(s.itl_p50_ms)} / {ms(s.itl_p99_ms)}",
+        f"  E2E p50 / p99      {ms(s.e2el_p50_ms)} / {ms(s.e2el_p99_ms)} (finished streams)",
         f"  failures           {failures}",
         *memory,
         *([f"  replicas           {_changes(s.replicas_over_time)}"]

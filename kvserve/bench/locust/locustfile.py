@@ -19,7 +19,8 @@ exponentially with
 jitter before its next request, as gRPC's retry policy would (KVSERVE_BACKOFF_S, default 0.5 s,
 doubling up to 8 s); KVSERVE_TIMEOUT_S is each stream's deadline (default 600 s).
 KVSERVE_TOKENS_FILE, if set, receives the totals (output tokens, streams, each failure's
-latency by status, the raw TTFT and per-token ITL samples in ms, and each stream's end: unix
+latency by status, the raw TTFT, per-token ITL and finished streams' end-to-end samples in ms,
+and each stream's end: unix
 time and outcome, "OK" or the status) for `kvserve loadtest`,
 which takes its p50/p99 from those samples with the percentile `kvserve bench serve` uses
 (Locust's own columns come from its rounded response-time histogram).
@@ -67,12 +68,13 @@ SEED = int(os.environ.get("KVSERVE_SEED", "0"))
 TIMEOUT_S = float(os.environ.get("KVSERVE_TIMEOUT_S", "600"))
 BACKOFF_S = float(os.environ.get("KVSERVE_BACKOFF_S", "0.5"))
 RETRYABLE = {"RESOURCE_EXHAUSTED", "UNAVAILABLE", "HTTP_429", "HTTP_503"}
-# failure_ms: status -> [ms]; ttft_ms: one sample per stream; itl_ms: one per token after the
+# failure_ms: status -> [ms]; ttft_ms: one sample per stream; e2el_ms: one per stream that
+# finished (request to last message, vLLM's end-to-end latency); itl_ms: one per token after the
 # first message's (k tokens after a gap g: k samples of g / k, as `kvserve bench serve` counts);
 # ends: [unix time, "OK" or the failure's status] per stream, for outcomes over time; start: the
 # run's unix time
 TOTALS: dict = {"output_tokens": 0, "streams": 0, "failure_ms": {}, "ttft_ms": [], "itl_ms": [],
-                "ends": []}
+                "e2el_ms": [], "ends": []}
 _USER_NUMBERS = itertools.count()  # seeds users by spawn order, so runs repeat
 
 if os.environ.get("KVSERVE_SHAPE"):
@@ -197,6 +199,7 @@ class KvserveUser(User):
 
 def _report_stream(total_s: float, tokens: int, gaps: list[float]) -> None:
     TOTALS["streams"] += 1
+    TOTALS["e2el_ms"].append(round(1000 * total_s, 3))
     TOTALS["ends"].append([round(time.time(), 3), "OK"])
     _fire("stream", total_s, tokens)
     if gaps:
