@@ -226,9 +226,10 @@ def test_a_driver_gets_each_line_its_workers_print_once_from_every_node(sim: Sim
 def test_multi_turn_chats_stay_on_their_historys_replica_across_nodes(sim: SimCluster):
     """The single-node routing test's bar (tests/test_serve_cache.py), with the replicas on
     three nodes and the router in the head's proxy reaching the manager across raylets: every
-    later turn finds its history cached, and turns 2-5 hit > 90% of their prompt tokens.
-    (Its negative control, routing off, is that test's.)"""
-    chats = conversations(sim)
+    later turn finds its history cached, and turns 2-3 hit > 90% of their prompt tokens. Three
+    turns, not that test's five: each of the 16 later turns is routed across nodes as a fifth
+    turn would be. (Its negative control, routing off, is that test's, also at three turns.)"""
+    chats = conversations(sim, turns=3)
     later = [(i, turn, usage) for i, usages in enumerate(chats)
              for turn, usage in enumerate(usages[1:], start=2)]
     missed = [(i, turn) for i, turn, u in later if not u.cached_tokens > 0.8 * u.prompt_tokens]
