@@ -35,6 +35,16 @@ def test_a_gemm_rate_is_its_flops_over_its_best_call(monkeypatch):
     assert calls == [(100, 100)]
 
 
+def test_a_slow_gemm_is_timed_at_a_size_that_fits_the_budget():
+    """A dtype torch multiplies slowly (bf16 without native support: ~1 GFLOP/s, a 256^3 probe
+    in ~40 ms) is timed at a smaller n, so the gauge takes seconds, not ~12 s; a fast one
+    (a probe in 0.1 ms) keeps GEMM_N."""
+    assert machine.fitting_n(1024, probe_s=0.04, call_s=0.125) == 256
+    assert machine.fitting_n(1024, probe_s=0.002, call_s=0.125) == 512  # 1024: 0.128 s
+    assert machine.fitting_n(1024, probe_s=1e-4, call_s=0.125) == 1024
+    assert machine.fitting_n(machine.PROBE_N, probe_s=10.0, call_s=0.0) == machine.PROBE_N
+
+
 def test_bench_machine_json_names_the_cpu_and_measures_every_rate():
     report = run_json("bench", "machine", "--json")
     assert report["cpu"] == cpu_summary()

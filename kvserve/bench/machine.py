@@ -14,6 +14,7 @@ the suite.
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -32,7 +33,7 @@ class MachineGauge:
     threads: int  # torch intra-op threads the rates were measured with
     memory_read_gb_s: float  # best sum() over a fresh 512 MiB fp32 buffer
     fp32_gemm_gflop_s: float  # best [N, N] @ [N, N], N = GEMM_N
-    bf16_gemm_gflop_s: float
+    bf16_gemm_gflop_s: float  # the same, N smaller where bf16 is a slow fallback
     python_loop_ns: float  # best ns per iteration of `for i in range(n): s += i`
     stolen_pct: float  # of the CPU time while the gauge ran, taken by the hypervisor
 
@@ -47,10 +48,39 @@ class MachineGauge:
 
 
 def gemm_gflop_s(dtype: torch.dtype, n: int = GEMM_N, budget_s: float = 0.5) -> float:
-    """The best rate of an [n, n] @ [n, n] matmul in `dtype` over about `budget_s`."""
+    """The best rate of an [n, n] @ [n, n] matmul in `dtype` over about `budget_s`. Where one
+    call would take more than a quarter of the budget (bf16 on a CPU without AVX512-BF16 or
+    AMX runs a scalar fallback at ~1 GFLOP/s: 3 s a call at n = 1024), n is halved until it
+    does not, by a timed call at PROBE_N, so the gauge stays within seconds."""
+    if n > PROBE_N:
+        n = fitting_n(n, _probe_seconds(dtype), budget_s / 4)
     a = torch.randn(n, n).to(dtype)
     b = torch.randn(n, n).to(dtype)
     return 2 * n**3 / seconds_per_call(lambda: a @ b, budget_s) / 1e9
+
+
+PROBE_N = 256
+
+
+def fitting_n(n: int, probe_s: float, call_s: float) -> int:
+    """The largest of n, n/2, ... (not below PROBE_N) whose matmul takes at most `call_s`, as a
+    call at PROBE_N that took `probe_s` predicts (a cube law)."""
+    while n > PROBE_N and probe_s * (n / PROBE_N) ** 3 > call_s:
+        n //= 2
+    return n
+
+
+def _probe_seconds(dtype: torch.dtype, calls: int = 3) -> float:
+    """The fastest of `calls` matmuls at PROBE_N (after a first one: allocation and thread
+    start-up), so one descheduled call does not shrink a fast dtype's n."""
+    a = torch.randn(PROBE_N, PROBE_N).to(dtype)
+    a @ a
+    best = float("inf")
+    for _ in range(calls):
+        start = time.perf_counter()
+        a @ a
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 def python_loop_ns(iterations: int = 200_000, budget_s: float = 0.1) -> float:
