@@ -15,6 +15,7 @@ import random
 import pytest
 import torch
 
+from kvserve.workers.builder import materialize
 from kvserve.workers.config import EngineConfig
 from kvserve.workers.core.block_manager import BlockManager
 from kvserve.workers.engine import LLMEngine
@@ -115,7 +116,7 @@ def test_weights_already_in_the_models_dtype_are_the_checkpoints_own_tensors(dty
     tensors = dict(ckpt.tensors)
     with torch.device("meta"):
         model = CausalLM(ckpt.config)
-    model = model.to_empty(device="cpu").to(dtype)
+    model = materialize(model, torch.device("cpu"), dtype)  # as build_model does
     model.load_checkpoint(dict(tensors))
     embed, norm = tensors["model.embed_tokens.weight"], tensors["model.norm.weight"]
     shared = dtype == torch.float32  # the tiny checkpoint is fp32

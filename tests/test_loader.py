@@ -76,15 +76,16 @@ def test_engines_built_from_one_checkpoint_share_its_model_and_only_theirs():
 
 def test_building_an_engine_imports_no_model_code_of_transformers_nor_dynamo(model_dir):
     """What an engine process's start leaves out (each ~0.4-0.65 CPU-s on a 2-core VM, in
-    every replica): transformers' Llama module (RoPE comes from `ROPE_INIT_FUNCTIONS`) and
-    torch._dynamo (which nn init on the meta device imported), in a fresh process."""
+    every replica): transformers' Llama module (RoPE comes from `ROPE_INIT_FUNCTIONS`),
+    torch._dynamo (which nn init on the meta device imported) and sympy (which
+    `Module.to_empty` imported: `builder.materialize`), in a fresh process."""
     import subprocess
     import sys
 
     code = ("import sys; from kvserve.workers.config import EngineConfig; "
             "from kvserve.workers.engine import LLMEngine; "
             "LLMEngine(EngineConfig(device='cpu', kv_cache_memory=16 * 1024**2)); "
-            "print(sorted(m for m in ('torch._dynamo', 'transformers.masking_utils', "
+            "print(sorted(m for m in ('torch._dynamo', 'sympy', 'transformers.masking_utils', "
             "'transformers.models.llama.modeling_llama') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=300)

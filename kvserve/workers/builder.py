@@ -238,7 +238,7 @@ def build_model(
         return ckpt.models[key]
     with torch.device("meta"):
         model = CausalLM(ckpt.config)
-    model = model.to_empty(device=device).to(dtype)
+    model = materialize(model, device, dtype)
     if ckpt.config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.load_checkpoint(dict(ckpt.tensors))
@@ -249,6 +249,21 @@ def build_model(
     if device.type == "cpu" and onednn_available(dtype):
         model.use_onednn_matmuls()
     ckpt.models[key] = model = model.eval()
+    return model
+
+
+def materialize(model: torch.nn.Module, device: torch.device, dtype: torch.dtype
+             ) -> torch.nn.Module:
+    """`model`, built on the meta device, with each parameter uninitialised memory on `device`
+    (floating point ones in `dtype`): the checkpoint fills them next. What
+    `model.to_empty(device=device).to(dtype)` gives, without its cost: `to_empty` allocates by
+    `torch.empty_like`, whose meta-tensor path imports sympy (~0.4 CPU-s of every replica's
+    start), and `.to(dtype)` allocated a second copy in another dtype."""
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            kind = dtype if param.is_floating_point() else param.dtype
+            empty = torch.empty(param.shape, dtype=kind, device=device)
+            setattr(module, name, torch.nn.Parameter(empty, requires_grad=param.requires_grad))
     return model
 
 
