@@ -293,3 +293,26 @@ def test_each_cpu_type_gets_its_own_build():
     assert features
     if sys.platform.startswith("linux"):  # from /proc/cpuinfo: the flags say AVX-512 or not
         assert "flags" in features and "model name" in features
+
+
+def test_bf16_on_a_cpu_without_bf16_instructions_is_said_once_at_the_start(monkeypatch, caplog):
+    """dtype bfloat16 on a CPU without AVX512-BF16/AMX-BF16 (an AVX2-only EPYC: ~1-2 GFLOP/s
+    against fp32's ~150) still runs, and the engine says why it is slow and what to use; a CPU
+    with them, auto and float32 say nothing. The flags are read from /proc/cpuinfo's text."""
+    from kvserve.workers import builder
+    from kvserve.workers.model_executor import cpu_kernels
+
+    assert cpu_kernels.native_bf16("flags\t: fpu avx2 avx512f avx512_bf16\n")
+    assert cpu_kernels.native_bf16("flags\t: fpu avx2 amx_bf16 amx_tile\n")
+    assert cpu_kernels.native_bf16("Features\t: fp asimd bf16 i8mm\n")  # Arm
+    assert not cpu_kernels.native_bf16("flags\t: fpu sse4_2 avx2 fma\n")
+    cpu = torch.device("cpu")
+    for flags, warned in (("fpu avx2 fma", True), ("fpu avx2 avx512_bf16", False)):
+        monkeypatch.setattr(cpu_kernels, "cpu_features", lambda f=flags: f"flags\t: {f}\n")
+        caplog.clear()
+        with caplog.at_level("WARNING", logger=builder.__name__):
+            assert builder.resolve_dtype("bfloat16", cpu) == torch.bfloat16
+            assert builder.resolve_dtype("auto", cpu) == torch.float32
+            assert builder.resolve_dtype("float32", cpu) == torch.float32
+        said = [r.getMessage() for r in caplog.records]
+        assert (len(said) == 1 and "dtype float32 (or auto) is faster" in said[0]) is warned, said

@@ -10,6 +10,7 @@ of it: it receives the built parts (`EngineParts`).
 from __future__ import annotations
 
 import json
+import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -28,7 +29,12 @@ from kvserve.workers.model_executor.attention import (
     make_backend,
     resolve_backend_name,
 )
-from kvserve.workers.model_executor.cpu_kernels import CpuKernels, load_cpu_kernels
+from kvserve.workers.model_executor.cpu_kernels import (
+    CpuKernels,
+    cpu_summary,
+    load_cpu_kernels,
+    native_bf16,
+)
 from kvserve.workers.model_executor.cuda_graphs import graph_batch_sizes, graph_memory_bytes
 from kvserve.workers.model_executor.draft_proposer import DraftModelProposer
 from kvserve.workers.model_executor.kv_cache import KVCacheSpec
@@ -41,6 +47,8 @@ from kvserve.workers.model_executor.loader import (
 from kvserve.workers.model_executor.model import CausalLM, onednn_available
 from kvserve.workers.model_executor.model_runner import ModelRunner
 from kvserve.workers.model_executor.rope import RotaryEmbedding
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -194,11 +202,18 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`auto`: bf16 on CUDA, fp32 on a CPU. bf16 asked for on a CPU without bf16 instructions
+    runs, but ~100x slower than fp32: the engine says so once, at its start."""
     if name not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {name!r}")
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, name)
+    dtype = getattr(torch, name)
+    if dtype == torch.bfloat16 and device.type == "cpu" and not native_bf16():
+        log.warning("kvserve: dtype bfloat16 on %s, which has no bf16 instructions (AVX512-BF16, "
+                    "AMX-BF16): torch multiplies bf16 in a scalar fallback, ~100x slower than "
+                    "fp32 here; dtype float32 (or auto) is faster", cpu_summary())
+    return dtype
 
 
 def resolve_block_size(block_size: int | None, backend: PagedAttention,
