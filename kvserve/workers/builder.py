@@ -267,8 +267,8 @@ def build_model(
     return model
 
 
-def materialize(model: torch.nn.Module, device: torch.device, dtype: torch.dtype
-             ) -> torch.nn.Module:
+def materialize(model: torch.nn.Module, device: torch.device,
+                dtype: torch.dtype) -> torch.nn.Module:
     """`model`, built on the meta device, with each parameter uninitialised memory on `device`
     (floating point ones in `dtype`): the checkpoint fills them next. What
     `model.to_empty(device=device).to(dtype)` gives, without its cost: `to_empty` allocates by

@@ -20,10 +20,9 @@ jitter before its next request, as gRPC's retry policy would (KVSERVE_BACKOFF_S,
 doubling up to 8 s); KVSERVE_TIMEOUT_S is each stream's deadline (default 600 s).
 KVSERVE_TOKENS_FILE, if set, receives the totals (output tokens, streams, each failure's
 latency by status, the raw TTFT, per-token ITL and finished streams' end-to-end samples in ms,
-and each stream's end: unix
-time and outcome, "OK" or the status) for `kvserve loadtest`,
-which takes its p50/p99 from those samples with the percentile `kvserve bench serve` uses
-(Locust's own columns come from its rounded response-time histogram).
+and each stream's end: unix time and outcome, "OK" or the status) for `kvserve loadtest`, which
+takes its p50/p99 from those samples with the percentile `kvserve bench serve` uses (Locust's
+own columns come from its rounded response-time histogram).
 """
 
 from __future__ import annotations
