@@ -132,7 +132,8 @@ def test_overload_refuses_fast_keeps_the_admitted_and_leaves_nothing_behind(tmp_
     # streams ~2-5 s end to end; a queue (48 users for 4 slots of ~2.5 s streams) gives ~30 s
     assert refused["p90"] < summary["e2el_p50_ms"], (refused, summary["e2el_p50_ms"], timeline)
     assert refused["max"] < 0.25 * deadline_s * 1000, (refused, timeline)
-    # every user not admitted was refused (and, if the run time left room, again after backoff)
+    # every user not admitted was refused (and, if the run time left room, again after its
+    # backoff: tests/test_locust_client.py::test_a_refused_user_backs_off_exponentially_...)
     assert summary["failures"]["RESOURCE_EXHAUSTED"] >= 48 - 8, (summary["failures"], timeline)
     # admitted ones finish (within Locust's stop timeout, after the run time)
     completed = summary["streams"] - sum(summary["failures"].values())

@@ -1,9 +1,11 @@
 """The Locust users' gRPC client under gevent: a refusal reaches its user at once even while more
-users than gevent's default thread pool (10) wait on slow streams. A real gRPC server (threads)
-and the locustfile's own gevent set-up, in a subprocess as Locust runs it."""
+users than gevent's default thread pool (10) wait on slow streams, and a refused user backs off.
+A real gRPC server (threads) and the locustfile's own gevent set-up, in a subprocess as Locust
+runs it."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import threading
@@ -96,3 +98,50 @@ def test_every_workload_builds_its_requests():
         assert request.params["max_tokens"] > 0
         assert (request.prompt is None) != (request.messages is None)
     assert workloads.Conversation(rng).next_request().messages
+
+
+USER = f"""
+import json, random, sys
+sys.path.insert(0, {str(ROOT / "kvserve" / "bench" / "locust")!r})
+import locustfile, workloads
+
+# the user's own methods, without a Locust environment to spawn it in
+user = object.__new__(locustfile.KvserveUser)
+user.refusals, user.rng = 0, random.Random(0)
+user.transport = locustfile.GrpcTransport(sys.argv[1])
+waits = []
+for prompt in ("refuse", "refuse", "refuse", "serve", "refuse"):
+    user.stream(workloads.Request(params={{}}, prompt=prompt))
+    waits.append(user.wait_time())
+print(json.dumps([waits, sorted(locustfile.TOTALS["failure_ms"]), locustfile.TOTALS["streams"]]))
+"""
+
+
+class RefuseOrServe(pb_grpc.GenerationServicer):
+    def Generate(self, request, context):
+        if request.prompt == "refuse":
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full")
+        yield pb.GenerateResponse(token_ids=[1], text="x")
+
+
+def test_a_refused_user_backs_off_exponentially_and_not_after_a_stream_it_got():
+    """A Locust user refused (RESOURCE_EXHAUSTED) waits 0.5 s x 2^(n-1), with jitter (x0.5-1),
+    before its next request; a stream it gets resets the backoff (no wait), and the next refusal
+    starts again at 0.5 s. Negative control: a user that did not back off would wait 0 after
+    each refusal."""
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    pb_grpc.add_GenerationServicer_to_server(RefuseOrServe(), server)
+    port = free_port()
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    server.start()
+    try:
+        done = subprocess.run([sys.executable, "-c", USER, f"127.0.0.1:{port}"], cwd=ROOT,
+                              capture_output=True, text=True, timeout=120)
+    finally:
+        server.stop(0)
+    assert done.returncode == 0, done.stderr[-3000:]
+    waits, statuses, streams = json.loads(done.stdout.strip().splitlines()[-1])
+    assert 0.25 <= waits[0] <= 0.5 and 0.5 <= waits[1] <= 1.0 and 1.0 <= waits[2] <= 2.0, waits
+    assert waits[3] == 0.0, waits  # served: no backoff
+    assert 0.25 <= waits[4] <= 0.5, waits  # refused again: from the start
+    assert statuses == ["RESOURCE_EXHAUSTED"] and streams == 1
