@@ -14,7 +14,6 @@ the suite.
 
 from __future__ import annotations
 
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -53,7 +52,9 @@ def gemm_gflop_s(dtype: torch.dtype, n: int = GEMM_N, budget_s: float = 0.5) -> 
     AMX runs a scalar fallback at ~1 GFLOP/s: 3 s a call at n = 1024), n is halved until it
     does not, by a timed call at PROBE_N, so the gauge stays within seconds."""
     if n > PROBE_N:
-        n = fitting_n(n, _probe_seconds(dtype), budget_s / 4)
+        probe = torch.randn(PROBE_N, PROBE_N).to(dtype)
+        # the fastest of three calls after a warm-up: one descheduled call does not shrink n
+        n = fitting_n(n, seconds_per_call(lambda: probe @ probe, budget_s=0), budget_s / 4)
     a = torch.randn(n, n).to(dtype)
     b = torch.randn(n, n).to(dtype)
     return 2 * n**3 / seconds_per_call(lambda: a @ b, budget_s) / 1e9
@@ -68,19 +69,6 @@ def fitting_n(n: int, probe_s: float, call_s: float) -> int:
     while n > PROBE_N and probe_s * (n / PROBE_N) ** 3 > call_s:
         n //= 2
     return n
-
-
-def _probe_seconds(dtype: torch.dtype, calls: int = 3) -> float:
-    """The fastest of `calls` matmuls at PROBE_N (after a first one: allocation and thread
-    start-up), so one descheduled call does not shrink a fast dtype's n."""
-    a = torch.randn(PROBE_N, PROBE_N).to(dtype)
-    a @ a
-    best = float("inf")
-    for _ in range(calls):
-        start = time.perf_counter()
-        a @ a
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def python_loop_ns(iterations: int = 200_000, budget_s: float = 0.1) -> float:

@@ -137,13 +137,13 @@ def build_dir_name(torch_version: str, features: str) -> str:
 
 
 def cpu_features() -> str:
-    """The CPU's model and instruction-set flags (Linux's /proc/cpuinfo), else the platform's
-    processor string."""
+    """The CPU's model and instruction-set flags (Linux's /proc/cpuinfo: `flags` on x86,
+    `Features` on Arm), else the platform's processor string."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
         return platform.processor() or platform.machine()
-    wanted = ("model name", "flags")
+    wanted = ("model name", "flags", "Features")
     return "\n".join(sorted({ln for ln in lines if ln.split(":")[0].strip() in wanted}))
 
 
@@ -151,10 +151,14 @@ def native_bf16(features: str | None = None) -> bool:
     """The CPU multiplies bf16 in hardware (x86 AVX512-BF16 or AMX-BF16, Arm's BF16 extension),
     from `cpu_features()` (or `features`). Without it torch's bf16 matmuls are a scalar
     fallback: ~1-2 GFLOP/s against fp32's ~150 on an AVX2-only AMD EPYC."""
-    text = cpu_features() if features is None else features
-    flags = {word for line in text.splitlines()
-             if line.startswith(("flags", "Features")) for word in line.split(":", 1)[-1].split()}
+    flags = _flags(cpu_features() if features is None else features)
     return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def _flags(features: str) -> set[str]:
+    """The instruction-set flags in `cpu_features()`'s text."""
+    return {word for line in features.splitlines() if line.startswith(("flags", "Features"))
+            for word in line.split(":", 1)[-1].split()}
 
 
 def cpu_summary() -> str:
@@ -162,8 +166,7 @@ def cpu_summary() -> str:
     text = cpu_features()
     model = next((ln.split(":", 1)[1].strip() for ln in text.splitlines()
                   if ln.startswith("model name")), "unknown CPU")
-    flags = next((ln.split(":", 1)[1].split() for ln in text.splitlines()
-                  if ln.startswith("flags")), [])
+    flags = _flags(text)
     wanted = ("avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile", "avx2")
     return f"{model} [{' '.join(f for f in wanted if f in flags) or 'no AVX-512/AMX'}]"
 
