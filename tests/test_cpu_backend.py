@@ -271,6 +271,50 @@ def test_kernels_refuse_what_they_do_not_cover(cpu_kernels):
         cpu_kernels.paged_decode(q, k_cache, v_cache, meta.decode_block_tables, too_long, 0.125)
 
 
+@pytest.mark.parametrize(("vocab", "pad"), [(49152, 0), (1000, 24), (33, 0)])
+def test_the_token_mask_sets_minus_inf_where_a_named_rows_bit_is_0(cpu_kernels, vocab, pad):
+    """`apply_token_bitmask_` sets -inf exactly where a named row's bit is 0 (bit t % 32 of word
+    t / 32, xgrammar's layout), on words all allowed, all forbidden and mixed, a vocabulary that
+    is not a multiple of 32 (its last word partly used), and logits rows that are a strided view
+    with padding past the vocabulary, which stays as it was; other rows are untouched. Where the
+    vocabulary is a multiple of 32, xgrammar's own CPU apply gives the same logits (on the
+    others xgrammar 0.2.9's writes -inf past the vocabulary, into the next row's first token,
+    where the last word's padding bits are 0 and its last token is allowed)."""
+    import xgrammar as xgr
+
+    gen = torch.Generator().manual_seed(vocab)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (8, -(-vocab // 32)), dtype=torch.int32,
+                            generator=gen)
+    bitmask[1], bitmask[2], bitmask[3, ::2] = -1, 0, -1  # all allowed, none, half the words
+    wide = torch.randn(8, vocab + pad + 5, generator=gen)
+    logits, before = wide[:, :vocab + pad], wide.clone()
+    rows = [0, 1, 2, 3, 6]
+    bits = (bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+    expected = before[:, :vocab + pad].clone()
+    for r in rows:
+        expected[r, :vocab][bits[r].flatten()[:vocab] == 0] = float("-inf")
+    cpu_kernels.apply_token_bitmask_(logits, bitmask, torch.tensor(rows), vocab)
+    assert torch.equal(logits, expected)
+    assert torch.equal(wide[:, vocab + pad:], before[:, vocab + pad:])
+    assert torch.isinf(logits[2, :vocab]).all() and torch.isfinite(logits[1]).all()
+    if vocab % 32 == 0:
+        theirs = before[:, :vocab + pad].clone()
+        xgr.apply_token_bitmask_inplace(theirs, bitmask, vocab_size=vocab, indices=rows)
+        assert torch.equal(logits, theirs)
+
+
+def test_the_token_mask_refuses_rows_and_shapes_it_does_not_cover(cpu_kernels):
+    logits, bitmask = torch.randn(2, 64), torch.full((2, 2), -1, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="row 2 out of range"):
+        cpu_kernels.apply_token_bitmask_(logits, bitmask, torch.tensor([0, 2]), 64)
+    with pytest.raises(RuntimeError, match="vocab 65 beyond"):
+        cpu_kernels.apply_token_bitmask_(logits, bitmask, torch.tensor([0]), 65)
+    with pytest.raises(RuntimeError, match="int32"):
+        cpu_kernels.apply_token_bitmask_(logits, bitmask.long(), torch.tensor([0]), 64)
+    with pytest.raises(RuntimeError, match="fp32"):
+        cpu_kernels.apply_token_bitmask_(logits.bfloat16(), bitmask, torch.tensor([0]), 64)
+
+
 def test_a_killed_builds_lock_is_cleared_a_live_one_kept(tmp_path):
     assert not clear_stale_lock(tmp_path, now=1e9)  # no lock at all
     lock = tmp_path / "lock"

@@ -1,7 +1,7 @@
 """Structured outputs (kvserve/workers/structured_output.py): the request fields, the masks on
 the real model, exactness against transformers with the same library's mask, batch
 invariance, and the phrase recipe. Over HTTP (the openai SDK) and gRPC through Serve:
-tests/test_serve_app.py."""
+tests/test_serve_structured.py."""
 
 from __future__ import annotations
 
@@ -185,6 +185,51 @@ def test_a_grammar_that_does_not_compile_is_refused_by_name_and_disturbs_nothing
             real_engine.add_request(prompt="hi", params={"structured_outputs": spec})
         assert err.value.field == "structured_outputs", spec
     assert not real_engine.requests and real_engine.block_manager.num_free == before
+
+
+class _Allows:
+    """A stand-in matcher (pure logic): its grammar allows exactly `tokens` next."""
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens = tokens
+
+    def fill_next_token_bitmask(self, bitmask, row: int) -> None:
+        bitmask[row] = 0
+        for t in self.tokens:
+            bitmask[row, t // 32] |= 1 << (t % 32)
+
+
+def test_cpu_logits_are_masked_by_kvserves_kernel_where_xgrammar_would_mask(
+        cpu_kernels, monkeypatch):
+    """With kvserve's CPU kernels the manager masks CPU logits with `apply_token_bitmask_` and
+    never calls xgrammar's apply, leaving the rows as the manager without kernels (xgrammar's
+    apply) leaves them: a constrained chunk's row keeps only its allowed tokens, and the rows
+    of an unconstrained chunk and its drafts stay as they were. Negative control: the same
+    manager without kernels does call xgrammar's apply."""
+    from types import SimpleNamespace
+
+    import torch
+    import xgrammar as xgr
+
+    from kvserve.workers.structured_output import StructuredOutputManager
+
+    def chunk(grammar, drafts=()):
+        return SimpleNamespace(seq=SimpleNamespace(grammar=grammar), drafts=list(drafts))
+
+    vocab = 1000
+    chunks = [chunk(_Allows([5, 40, 999])), chunk(None, drafts=[1, 2]), chunk(_Allows([7]))]
+    logits = torch.randn(5, vocab, generator=torch.Generator().manual_seed(0))
+    called = []
+    original = xgr.apply_token_bitmask_inplace
+    monkeypatch.setattr(xgr, "apply_token_bitmask_inplace",
+                        lambda *a, **k: called.append(1) or original(*a, **k))
+    theirs, ours = logits.clone(), logits.clone()
+    StructuredOutputManager(None, vocab, set()).apply(theirs, chunks)
+    assert called == [1]
+    StructuredOutputManager(None, vocab, set(), kernels=cpu_kernels).apply(ours, chunks)
+    assert called == [1] and torch.equal(ours, theirs)
+    assert torch.isfinite(ours[0]).sum() == 3 and torch.isfinite(ours[0, [5, 40, 999]]).all()
+    assert torch.equal(ours[1:4], logits[1:4]) and torch.isfinite(ours[4]).sum() == 1
 
 
 def test_preemption_swaps_and_prefix_hits_keep_each_constraint_where_its_output_is(

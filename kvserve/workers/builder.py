@@ -96,6 +96,7 @@ class EngineParts:
     eos_token_ids: set[int]
     bytes_per_block: int
     info: ModelInfo
+    cpu_kernels: CpuKernels | None  # kvserve's C++ kernels (fp32 and bf16 on a CPU), else None
 
 
 def build_engine_parts(config: EngineConfig, checkpoint: LoadedCheckpoint | None = None,
@@ -156,7 +157,8 @@ def build_engine_parts(config: EngineConfig, checkpoint: LoadedCheckpoint | None
     proposer = make_proposer(config, ckpt, draft_checkpoint, model, runner, cpu_kernels, spec,
                              num_blocks, max_model_len)
     return EngineParts(ckpt, device, dtype, max_model_len, runner, block_manager,
-                       scheduler, kv_events, proposer, eos, spec.bytes_per_block, info)
+                       scheduler, kv_events, proposer, eos, spec.bytes_per_block, info,
+                       cpu_kernels)
 
 
 def make_proposer(config: EngineConfig, target: LoadedCheckpoint,

@@ -97,7 +97,7 @@ class LLMEngine:
         self.spec_stats = SpecDecodeStats()
         self.recorder = StepRecorder(config.timeline_steps, self.block_manager, self.scheduler)
         self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size,
-                                                  self.eos_token_ids)
+                                                  self.eos_token_ids, kernels=parts.cpu_kernels)
         self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len,
                                               self.block_manager, self.runner.rope,
                                               self.structured)

@@ -14,6 +14,8 @@ prepare`
   instead of 2-6 torch ops. In a decode step of 32 sequences those small ops, each on a few
   thousand floats with cold caches after a matmul, cost ~25 % of the step on this CPU. In bf16
   (AVX-512 builds) they round where transformers' bf16 ops round, and equal them bit for bit.
+- `apply_token_bitmask_`: structured outputs' grammar mask on fp32 logits, one vectorized pass
+  per row (`kvserve/workers/structured_output.py`; any x86-64 or Arm build).
 
 They are compiled with the machine's C++ compiler by `torch.utils.cpp_extension` (~20 s on two
 cores, once per torch version and CPU type, cached under kvserve's cache directory:
@@ -48,7 +50,8 @@ CpuKernels = Any
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / name for name in ("bindings.cpp", "paged_decode.cpp", "fused_ops.cpp",
-                                    "linear.cpp", "linear_bf16.cpp", "decode_layer.cpp")]
+                                    "linear.cpp", "linear_bf16.cpp", "decode_layer.cpp",
+                                    "token_bitmask.cpp")]
 HEADERS = [CSRC / name for name in ("kernels.h", "bf16.h")]
 # -march=native: the build directory belongs to this machine (kvserve's cache directory).
 # -ffast-math: glibc's vector expf (libmvec) is declared only under it; the kernels see only

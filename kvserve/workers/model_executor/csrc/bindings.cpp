@@ -30,4 +30,6 @@ TORCH_LIBRARY(kvserve, m) {
   m.def("pack_linear_weight_bf16", &pack_linear_weight_bf16);
   // bf16 x [rows, K], bf16 panels, N, bias -> bf16(x W^T + bias) [rows, N], fp32 sums
   m.def("linear_bf16", &linear_bf16);
+  // structured outputs: logits rows `indices` [n] to -inf where bitmask [rows, words] forbids
+  m.def("apply_token_bitmask_", &apply_token_bitmask_);
 }

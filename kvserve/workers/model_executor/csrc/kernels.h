@@ -26,3 +26,5 @@ at::Tensor decode_layer(const at::Tensor& h, const std::vector<at::Tensor>& w,
                         const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache,
                         const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                         const at::Tensor& context_lens, double scale, double eps);
+void apply_token_bitmask_(at::Tensor& logits, const at::Tensor& bitmask, const at::Tensor& indices,
+                          int64_t vocab);
