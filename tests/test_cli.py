@@ -125,6 +125,67 @@ def test_generate_streams_the_engines_greedy_text_to_the_terminal(real_engine):
     assert out.stdout == text + "\n"
 
 
+def test_each_structured_flag_becomes_the_engines_constraint(tmp_path):
+    """--json-schema (a file or the text), --json-object, --regex, --choice and --grammar (a
+    file) each become the one `structured_outputs` the engine takes; two at once, or a schema
+    that is not JSON, is refused naming the flag."""
+    from kvserve.cli import build_parser
+    from kvserve.cli.generate import structured_outputs
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    (tmp_path / "s.json").write_text(json.dumps(schema))
+    (tmp_path / "g.ebnf").write_text('root ::= "yes" | "no"')
+    parse = build_parser().parse_args
+    cases = {
+        ("--json-schema", str(tmp_path / "s.json")): {"json": schema},
+        ("--json-schema", json.dumps(schema)): {"json": schema},
+        ("--json-object",): {"json_object": True},
+        ("--regex", "[0-9]+"): {"regex": "[0-9]+"},
+        ("--choice", "yes,no"): {"choice": ["yes", "no"]},
+        ("--grammar", str(tmp_path / "g.ebnf")): {"grammar": 'root ::= "yes" | "no"'},
+        (): None,
+    }
+    for flags, expected in cases.items():
+        assert structured_outputs(parse(["generate", "hi", *flags])) == expected, flags
+    with pytest.raises(SystemExit, match="--json-schema is not JSON"):
+        structured_outputs(parse(["generate", "hi", "--json-schema", "{not json"]))
+    out = run("generate", "hi", "--regex", "a", "--choice", "a,b")
+    assert out.returncode == 2 and "not allowed with argument" in out.stderr, out.stderr
+
+
+def test_generate_with_a_schema_file_or_a_choice_writes_the_engines_constrained_tokens(
+        real_engine, tmp_path):
+    """`kvserve generate --json-schema FILE` and `--choice` give the in-process engine's
+    constrained greedy tokens, and the text fits: the JSON validates against the schema, the
+    answer is one of the choices. Negative control: the same prompts unconstrained fit
+    neither."""
+    import jsonschema
+
+    from kvserve.bench.structured import PROMPTS, SCHEMAS
+
+    schema_file = tmp_path / "person.json"
+    schema_file.write_text(json.dumps(SCHEMAS["person"]))
+    prompt, question = PROMPTS["person"][0], "Is the sky blue? Answer yes or no."
+    for text, flags, constraint in (
+            (prompt, ["--json-schema", str(schema_file)], {"json": SCHEMAS["person"]}),
+            (question, ["--choice", "yes,no"], {"choice": ["yes", "no"]})):
+        result = run_json("generate", text, "--chat", "--max-tokens", "60", "--json",
+                          "--kv-cache-memory", "64MiB", *flags)
+        messages = [{"role": "user", "content": text}]
+        ids = solo_ids(real_engine, messages=messages,
+                       params={"max_tokens": 60, "temperature": 0,
+                               "structured_outputs": constraint})
+        assert result["token_ids"] == ids, flags
+        free = "".join(o.text for o in next(iter(real_engine.generate_all([{
+            "messages": messages, "params": {"max_tokens": 60, "temperature": 0}}]).values())))
+        if "choice" in constraint:
+            assert result["text"] in ("yes", "no") and free not in ("yes", "no"), free
+        else:
+            jsonschema.validate(json.loads(result["text"]), SCHEMAS["person"])
+            with pytest.raises(ValueError):  # prose, not JSON
+                json.loads(free)
+
+
 def test_a_missing_model_is_one_clear_line():
     """No traceback from the hub client: one line naming what was looked for, exit code 2."""
     for model in ("/nonexistent", "not a hub id!"):
