@@ -232,6 +232,70 @@ def test_cpu_logits_are_masked_by_kvserves_kernel_where_xgrammar_would_mask(
     assert torch.equal(ours[1:4], logits[1:4]) and torch.isfinite(ours[4]).sum() == 1
 
 
+def test_a_grammar_compiles_off_the_event_loop_and_the_step_loop_and_once(make_tiny_engine,
+                                                                         monkeypatch):
+    """While a constrained request's grammar compiles (held here until another stream has
+    received 5 more tokens), the other stream keeps getting tokens, then the constrained request
+    runs and writes one of its choices; the same constraint again does not grow xgrammar's cache
+    (compiled once), a new one does. Negative control, by hand: compiling in `generate` on the
+    event loop instead of its executor, the hold times out with the other stream stalled."""
+    import asyncio
+    import threading
+    import time
+
+    from kvserve.workers.async_engine import AsyncLLMEngine
+    from tests.helpers import assert_engine_idle
+
+    core = make_tiny_engine()
+    step = core.step
+    monkeypatch.setattr(core, "step", lambda: time.sleep(0.005) or step())  # a long stream
+    compiling, released = threading.Event(), threading.Event()
+    compile_ = core.structured.compile
+    cold: set[str] = set()
+    held: list[bool] = []  # True: released by the other stream; False: timed out
+
+    def slow_first_compile(spec):
+        if spec.kind not in cold:  # a cold compile is slow; xgrammar's cache makes later ones fast
+            cold.add(spec.kind)
+            compiling.set()
+            held.append(released.wait(timeout=10))
+        return compile_(spec)
+
+    monkeypatch.setattr(core.structured, "compile", slow_first_compile)
+    choice = {"temperature": 0, "max_tokens": 8, "structured_outputs": {"choice": ["t7 t8", "t9"]}}
+
+    async def scenario() -> str:
+        engine = AsyncLLMEngine(core)
+        plain = engine.generate(prompt_token_ids=list(range(10, 20)),
+                                params={"max_tokens": 400, "ignore_eos": True})
+        await anext(plain)
+
+        async def follow() -> None:
+            seen = 0
+            async for _ in plain:
+                seen += compiling.is_set()
+                if seen >= 5:
+                    released.set()
+                    break  # leaving the stream aborts it
+
+        follower = asyncio.create_task(follow())
+        text = "".join([o.text async for o in engine.generate(prompt_token_ids=[10, 11],
+                                                               params=choice)])
+        await follower
+        await engine.shutdown()
+        return text
+
+    assert asyncio.run(scenario()) in ("t7 t8", "t9")
+    assert held == [True]
+    assert_engine_idle(core)
+    compiler = core.structured.compiler
+    size = compiler.get_cache_size_bytes()
+    core.compile_grammar(choice)
+    assert compiler.get_cache_size_bytes() == size
+    core.compile_grammar({"structured_outputs": {"choice": ["t3"]}})
+    assert compiler.get_cache_size_bytes() > size
+
+
 def test_preemption_swaps_and_prefix_hits_keep_each_constraint_where_its_output_is(
         real_checkpoint, real_engine):
     """Six constrained requests in a pool that holds half of them: they are preempted, swapped
