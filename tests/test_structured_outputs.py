@@ -296,6 +296,30 @@ def test_a_grammar_compiles_off_the_event_loop_and_the_step_loop_and_once(make_t
     assert compiler.get_cache_size_bytes() > size
 
 
+def test_a_constrained_request_is_never_given_drafts_and_its_neighbours_are(make_tiny_engine,
+                                                                           monkeypatch):
+    """With n-gram speculation on, the proposer is never asked for a constrained request's
+    drafts (its grammar matcher cannot be rolled back), while an unconstrained request beside
+    it is, and gets some; the constrained request writes one of its choices. Negative control,
+    by hand: without the grammar check in `LLMEngine._propose_drafts`, the proposer is asked
+    for the constrained request's drafts too."""
+    engine = make_tiny_engine(speculative_method="ngram")
+    asked: list[str] = []
+    propose = engine.proposer.propose
+    monkeypatch.setattr(engine.proposer, "propose", lambda wanted: asked.extend(
+        s.request_id for s, _ in wanted) or propose(wanted))
+    prompt = [10, 11, 12] * 6  # prompt lookup finds its suffix earlier in it
+    out = engine.generate_all([
+        {"request_id": "constrained", "prompt_token_ids": prompt,
+         "params": {"temperature": 0, "max_tokens": 16,
+                    "structured_outputs": {"choice": ["t7 t8 t9 t7 t8 t9", "t9"]}}},
+        {"request_id": "free", "prompt_token_ids": prompt,
+         "params": {"temperature": 0, "max_tokens": 16, "ignore_eos": True}}])
+    assert "free" in asked and "constrained" not in asked, set(asked)
+    assert engine.spec_stats.num_drafts > 0
+    assert "".join(o.text for o in out["constrained"]) in ("t7 t8 t9 t7 t8 t9", "t9")
+
+
 def test_preemption_swaps_and_prefix_hits_keep_each_constraint_where_its_output_is(
         real_checkpoint, real_engine):
     """Six constrained requests in a pool that holds half of them: they are preempted, swapped
