@@ -320,6 +320,29 @@ def test_a_constrained_request_is_never_given_drafts_and_its_neighbours_are(make
     assert "".join(o.text for o in out["constrained"]) in ("t7 t8 t9 t7 t8 t9", "t9")
 
 
+def test_a_constrained_requests_logprobs_are_those_of_the_masked_distribution(
+        make_tiny_engine):
+    """A constrained request's logprobs are over the tokens its grammar allows (as vLLM's): at
+    each step the allowed tokens' probabilities in its top 3 sum to 1 and the rest are -inf;
+    where "t7" and "t9" part, both digits are there. Negative control: unconstrained, the same
+    tiny random model's top 3 hold well under 1 % of the probability."""
+    import math
+
+    engine = make_tiny_engine()
+
+    def steps(**extra) -> list:
+        params = {"temperature": 0, "max_tokens": 8, "logprobs": 3, **extra}
+        out = engine.generate_all([{"prompt_token_ids": [10, 11, 12], "params": params}])
+        return [lp for o in next(iter(out.values())) for lp in o.logprobs]
+
+    constrained = steps(structured_outputs={"choice": ["t7", "t9"]})
+    for lp in constrained:
+        assert math.isclose(sum(math.exp(v) for _, v in lp.top), 1.0, rel_tol=1e-5), lp
+    assert any(sum(v > -math.inf for _, v in lp.top) == 2 for lp in constrained)
+    free = steps(ignore_eos=True)
+    assert all(sum(math.exp(v) for _, v in lp.top) < 0.01 for lp in free), free
+
+
 def test_preemption_swaps_and_prefix_hits_keep_each_constraint_where_its_output_is(
         real_checkpoint, real_engine):
     """Six constrained requests in a pool that holds half of them: they are preempted, swapped

@@ -5,7 +5,8 @@ divided, negative multiplied) -> presence and frequency penalties (output tokens
 temperature (0: greedy argmax) -> top-k -> top-p (the most likely token always survives) ->
 min-p (relative to the most likely token) -> a draw from the request's own generator, so a seeded
 request gets the same tokens whatever else is in the batch. Reported logprobs are those of the raw
-model distribution, before any of the above.
+model distribution, before any of the above (after a structured-output mask, which the engine
+applies to the logits before they reach the sampler).
 
 Why it is batched: on a GPU the step's sampling sits between two forward passes, and a per-row
 loop with a full-vocabulary sort and a host copy per row (0.5 MB a row for a 128k vocabulary)
