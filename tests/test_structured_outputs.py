@@ -343,6 +343,26 @@ def test_a_constrained_requests_logprobs_are_those_of_the_masked_distribution(
     assert all(sum(math.exp(v) for _, v in lp.top) < 0.01 for lp in free), free
 
 
+def test_max_tokens_still_ends_a_constrained_request_with_length(make_tiny_engine):
+    """A JSON answer cut by `max_tokens` ends with finish_reason "length", not valid JSON; with
+    room, the same request closes its object and ends with "stop"."""
+    engine = make_tiny_engine()
+
+    def answer(max_tokens: int) -> tuple[str, str]:
+        params = {"temperature": 0, "max_tokens": max_tokens,
+                  "structured_outputs": {"json": SCHEMAS["review"]}}
+        outs = next(iter(engine.generate_all([{"prompt_token_ids": [10, 11, 12],
+                                                "params": params}]).values()))
+        return "".join(o.text for o in outs), outs[-1].finish_reason
+
+    text, reason = answer(4)
+    assert reason == "length"
+    with pytest.raises(ValueError):
+        json.loads(text)
+    text, reason = answer(200)
+    assert reason == "stop" and schema_errors({("review", "x"): text}) == [], text
+
+
 def test_preemption_swaps_and_prefix_hits_keep_each_constraint_where_its_output_is(
         real_checkpoint, real_engine):
     """Six constrained requests in a pool that holds half of them: they are preempted, swapped
