@@ -115,11 +115,9 @@ class StructuredOutputManager:
         if logits.device.type == "cpu" and self.kernels is not None:
             self.kernels.apply_token_bitmask_(logits, bitmask, torch.tensor(indices),
                                               self.vocab_size)
-        else:
-            if logits.device.type != "cpu":
-                bitmask = bitmask.to(logits.device, non_blocking=True)
-            xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size,
-                                            indices=indices)
+        else:  # xgrammar's kernel on the logits' device (`to` is a no-op on the CPU)
+            xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
+                                            vocab_size=self.vocab_size, indices=indices)
         self.mask_seconds += time.perf_counter() - start
         self.masked_rows += len(rows)
 
