@@ -74,6 +74,46 @@ def test_engines_built_from_one_checkpoint_share_its_model_and_only_theirs():
     assert a.model.embed_tokens.weight.dtype == torch.float32
 
 
+def test_a_tiny_checkpoint_drawn_again_is_the_first_draw_in_tensors_of_its_own():
+    """Equal arguments give equal weights in tensors of their own, and leave torch's generator
+    where the first draw left it; other arguments give other weights; and what is kept is what
+    transformers' initialisation draws afresh under that seed. Negative controls, by hand: without
+    restoring the generator, the numbers after the second draw differ; without the copy, the two
+    draws share storage."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from kvserve.workers.model_executor import tiny
+
+    def draw(**kwargs):
+        ckpt = tiny.tiny_checkpoint("llama", seed=3, num_hidden_layers=1, **kwargs)
+        return ckpt, torch.rand(4)  # the generator's next numbers after the draw
+
+    first, after_first = draw()
+    again, after_again = draw()
+    assert first.tensors.keys() == again.tensors.keys()
+    for name, t in first.tensors.items():
+        assert torch.equal(t, again.tensors[name]), name
+        assert t.data_ptr() != again.tensors[name].data_ptr(), name
+    assert torch.equal(after_first, after_again)
+    again.tensors["model.norm.weight"].add_(1.0)  # writing one copy leaves the next draw alone
+    assert torch.equal(draw()[0].tensors["model.norm.weight"], first.tensors["model.norm.weight"])
+    assert first.tokenizer is again.tokenizer  # one default tokenizer per process
+
+    fresh = AutoModelForCausalLM.from_config(first.config, dtype=torch.float32)
+    torch.manual_seed(3)
+    fresh = AutoModelForCausalLM.from_config(first.config, dtype=torch.float32)
+    after_fresh = torch.rand(4)
+    assert all(torch.equal(v, first.tensors[k]) for k, v in fresh.state_dict().items())
+    assert torch.equal(after_fresh, after_first)
+
+    other = tiny.tiny_checkpoint("llama", seed=3, num_hidden_layers=2)
+    assert other.tensors.keys() != first.tensors.keys()
+    reseeded = tiny.tiny_checkpoint("llama", seed=4, num_hidden_layers=1)
+    assert not torch.equal(reseeded.tensors["model.embed_tokens.weight"],
+                           first.tensors["model.embed_tokens.weight"])
+
+
 def test_building_an_engine_imports_no_model_code_of_transformers_nor_dynamo(model_dir):
     """What an engine process's start leaves out (each ~0.4-0.65 CPU-s on a 2-core VM, in
     every replica): transformers' Llama module (RoPE comes from `ROPE_INIT_FUNCTIONS`),

