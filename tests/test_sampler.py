@@ -248,6 +248,99 @@ def test_top_p_matches_a_hand_reference_on_random_logits() -> None:
         assert got == want or abs(mass - p) < 1e-5
 
 
+# -- top-k/top-p on a row's most likely tokens (CPU, large vocabularies) --------------------------
+
+
+def candidate_cases(vocab: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows that the first m candidates decide and rows that they cannot: peaked and flat
+    logits, ties (rounded logits; a top-p cut among tokens tied across the m-th value), a
+    masked row (-inf past a few tokens, as a grammar leaves it), and top-k below, at, just past
+    and far past m, or off."""
+    gen = torch.Generator().manual_seed(17)
+    rows, params = [], []
+    for scale in (0.3, 3.0, 12.0):
+        for rounding in (None, 2.0):
+            for k in (1, 5, m - 1, m, m + 1, 3 * m, vocab):
+                for p in (0.3, 0.9, 0.999, 1.0):
+                    if k >= vocab and p >= 1.0:
+                        continue  # neither is on: the sampler never sorts such a row
+                    x = torch.randn(vocab, generator=gen) * scale
+                    if rounding:
+                        x = torch.round(x * rounding) / rounding
+                    rows.append(x)
+                    params.append([1.0, float(k), p, 0.0, 1.0, 0.0, 0.0])
+    masked = torch.full((vocab,), NEG_INF)
+    masked[[3, 9, 40]] = torch.tensor([1.0, 2.0, 1.5])
+    rows.append(masked)
+    params.append([1.0, float(vocab), 0.9, 0.0, 1.0, 0.0, 0.0])
+    # one likely token, then 4m tokens tied across the m-th value, and a top-p cut inside them:
+    # which tied tokens `topk` returns is its own choice, the sort's are the lowest ids
+    tied = torch.full((vocab,), -10.0)
+    tied[torch.randperm(vocab, generator=gen)[: 4 * m]] = 0.0
+    tied[vocab // 2] = 5.0
+    probs = torch.softmax(tied, -1)
+    rows.append(tied)
+    params.append([1.0, float(vocab), float(probs.max() + 9.5 * probs[tied == 0][0]), 0.0,
+                   1.0, 0.0, 0.0])
+    return torch.stack(rows), torch.tensor(params)
+
+
+def test_top_k_top_p_on_the_most_likely_tokens_equals_the_full_sort(monkeypatch) -> None:
+    """Each row's kept tokens are the full stable sort's, whether its m candidates decide it or
+    the sort does, and both paths are taken. Negative control, by hand: deciding every row on
+    its candidates (without the last-value check) keeps other tokens on the flat and tied rows."""
+    from kvserve.workers.model_executor import sampler
+
+    vocab, m = 3000, 64
+    x, params = candidate_cases(vocab, m)
+    sorted_rows = []
+    full_sort = sampler._top_k_top_p_sorted
+
+    def counted(rows: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        sorted_rows.append(rows.shape[0])
+        return full_sort(rows, p)
+
+    monkeypatch.setattr(sampler, "_top_k_top_p_sorted", counted)
+    got = sampler._top_k_top_p_candidates(x, params, m)
+    want = full_sort(x, params)
+    assert torch.equal(got.isinf(), want.isinf())
+    assert torch.equal(got[~got.isinf()], x[~got.isinf()])  # kept logits are left as they were
+    assert sorted_rows and 0 < sorted_rows[0] < x.shape[0], sorted_rows  # both paths taken
+
+
+def test_a_row_cut_on_its_candidates_does_not_depend_on_the_batch() -> None:
+    from kvserve.workers.model_executor import sampler
+
+    x, params = candidate_cases(3000, 64)
+    together = sampler._top_k_top_p_candidates(x, params, 64)
+    for i in range(0, x.shape[0], 7):
+        alone = sampler._top_k_top_p_candidates(x[i : i + 1], params[i : i + 1], 64)
+        assert torch.equal(alone[0], together[i]), i
+
+
+def test_seeded_draws_at_smollm2s_vocabulary_are_the_full_sorts() -> None:
+    """Through `sample`, on a CPU at 49,152 tokens (where the candidates are tried first): the
+    same tokens as with the full sort for every row."""
+    from kvserve.workers.model_executor import sampler
+
+    vocab = 49152
+    gen = torch.Generator().manual_seed(23)
+    scales = torch.tensor([0.5, 4.0, 9.0]).repeat(4)[:, None]  # flat to peaked
+    logits = torch.randn(12, vocab, generator=gen) * scales
+    kinds = [{"top_k": 40}, {"top_p": 0.9}, {"top_k": 200, "top_p": 0.8}, {"top_p": 0.99}]
+
+    def draws() -> list[list[int]]:
+        seqs = [make_seq(seed=i, temperature=0.9, **kinds[i % 4]) for i in range(12)]
+        return [sample(logits, seqs)[0] for _ in range(3)]
+
+    assert vocab >= sampler._CANDIDATES_FROM_VOCAB
+    tried = draws()
+    with sampler.full_vocabulary_sort():
+        assert vocab < sampler._CANDIDATES_FROM_VOCAB
+        assert tried == draws()
+    assert vocab >= sampler._CANDIDATES_FROM_VOCAB
+
+
 # -- min-p --------------------------------------------------------------------------------------
 
 
@@ -864,3 +957,32 @@ def test_invalid_request_error_survives_pickling_with_its_field() -> None:
     err = pickle.loads(pickle.dumps(InvalidRequestError("top_p", "must be in (0, 1]")))
     assert isinstance(err, InvalidRequestError)
     assert (err.field, str(err)) == ("top_p", "top_p: must be in (0, 1]")
+
+
+def test_bench_sampling_reports_every_mode_and_the_same_draws_with_and_without_the_sort(
+        real_checkpoint, monkeypatch):
+    """`kvserve bench sampling` at tiny size: every request of every mode runs output_len tokens,
+    the sampled modes draw alike (seeded, candidates or full sort) and unlike greedy."""
+    from kvserve.bench import sampling
+    from kvserve.cli import build_parser
+    from kvserve.workers.config import EngineConfig
+    from kvserve.workers.engine import LLMEngine
+
+    monkeypatch.setattr(sampling, "LLMEngine",
+                        lambda config: LLMEngine(config, checkpoint=real_checkpoint))
+    runs: list[dict] = []  # a copy of each run's result, its token ids kept
+    real_run = sampling._run
+    monkeypatch.setattr(sampling, "_run", lambda *a: runs.append(dict(r := real_run(*a))) or r)
+    report = sampling.run_sampling_bench(EngineConfig(kv_cache_memory="256MiB"), output_len=8,
+                                         repeats=1, batch_sizes=(3,), progress=False)
+    [row] = report["rows"]
+    assert row["batch"] == 3 and row["sampled_equals_full_sort"] is True
+    for mode in sampling.MODES:
+        assert row[mode]["output_tokens"] == 8 * 3, mode
+    # the warm-up's runs, then the timed ones, each in MODES order (one round)
+    greedy, sampled, full_sort = (r["token_ids"] for r in runs[len(sampling.MODES):])
+    assert sampled == full_sort and sampled != greedy
+    full = row["sampled_full_sort"]["tok_s"]
+    assert row["speedup_vs_full_sort"] == row["sampled"]["tok_s"] / full
+    args = build_parser().parse_args(["bench", "sampling", "--top-p", "0.9", "--json"])
+    assert (args.top_p, args.top_k, args.batch_sizes, args.json) == (0.9, 0, (1, 32), True)

@@ -16,6 +16,7 @@ import torch
 from kvserve.workers.model_executor.attention.flash_backend import FlashAttention
 from kvserve.workers.model_executor.attention.flash_checks import reference_provider, use_backend
 from kvserve.workers.model_executor.rope import RopeSpan
+from kvserve.workers.model_executor.sampler import full_vocabulary_sort
 from tests.helpers import HostTraffic
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -50,13 +51,32 @@ def _decode_step_traffic(engine, requests: int) -> tuple[HostTraffic, object]:
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
 def test_a_decode_step_makes_one_sync_and_a_fixed_number_of_host_tensors(make_tiny_engine,
                                                                          backend):
+    """With top-k/top-p as a GPU runs them (one sort of the whole vocabulary); what a CPU's
+    candidates add is the next test's."""
     engine = make_tiny_engine(attention_backend=backend)
-    small, _ = _decode_step_traffic(engine, 3)
-    large, _ = _decode_step_traffic(engine, 12)
+    with full_vocabulary_sort():
+        small, _ = _decode_step_traffic(engine, 3)
+        large, _ = _decode_step_traffic(engine, 12)
     assert small.syncs == large.syncs == 1, (small.calls, large.calls)
     # the step's integers (1) and the sampler's per-row parameters (1)
     assert small.creations == large.creations == 2, (small.calls, large.calls)
     assert small.transfers == large.transfers
+
+
+def test_on_a_cpu_the_top_k_top_p_candidates_add_one_flag_read_and_no_host_tensor(
+        make_tiny_engine):
+    """On a CPU, where reading a tensor waits for nothing, the sampler tries top-k/top-p on each
+    row's most likely tokens first and reads back one flag: whether they decided every row
+    (then, for rows they did not, the rows' positions). No tensor is built from host data and
+    none is moved."""
+    engine = make_tiny_engine()
+    with full_vocabulary_sort():
+        sorted_, _ = _decode_step_traffic(engine, 6)
+    tried, _ = _decode_step_traffic(engine, 6)
+    assert tried.syncs == sorted_.syncs + 1, (tried.calls, sorted_.calls)
+    assert tried.calls["__bool__"] == sorted_.calls["__bool__"] + 1
+    assert tried.calls["topk"] == sorted_.calls["topk"] + 1  # the candidates were tried
+    assert (tried.creations, tried.transfers) == (sorted_.creations, sorted_.transfers)
 
 
 def test_dynamic_rope_adds_no_sync_and_the_counter_sees_one_that_would(make_tiny_engine):
@@ -65,7 +85,8 @@ def test_dynamic_rope_adds_no_sync_and_the_counter_sees_one_that_would(make_tiny
     lookup without them would: a sync per chunk, and the counter must see it."""
     engine = make_tiny_engine(checkpoint_kwargs={"rope_parameters": {
         "rope_type": "dynamic", "factor": 2.0}})
-    traffic, _ = _decode_step_traffic(engine, 4)
+    with full_vocabulary_sort():  # as a GPU samples (the test above)
+        traffic, _ = _decode_step_traffic(engine, 4)
     assert traffic.syncs == 1
     positions = torch.tensor([5, 9, 700, 3])  # four chunks of one token, one past 512
     with HostTraffic() as control:

@@ -1,5 +1,5 @@
-"""`kvserve bench throughput|prefix|serve|speculative`: kvserve against peer baselines;
-`kvserve bench machine`: the machine's own rates, which those numbers depend on."""
+"""`kvserve bench throughput|prefix|serve|speculative|structured|sampling`: kvserve against peer
+baselines; `kvserve bench machine`: the machine's own rates, which those numbers depend on."""
 
 from __future__ import annotations
 
@@ -50,6 +50,7 @@ def add_bench(sub) -> None:
     _add_bench_prefix(bench)
     _add_bench_speculative(bench)
     _add_bench_structured(bench)
+    _add_bench_sampling(bench)
     _add_bench_machine(bench)
 
 
@@ -104,6 +105,42 @@ def _run_bench_structured(args: argparse.Namespace) -> int:
     report = run_structured_bench(engine_config(args), output_len=args.output_len,
                                   repeats=args.repeats, batch_sizes=tuple(args.batch_sizes),
                                   progress=not args.json)
+    print(json.dumps(report, indent=2) if args.json else report["summary"])
+    return 0
+
+
+def _add_bench_sampling(bench) -> None:
+    b = bench.add_parser(
+        "sampling", help="top-p/top-k sampling vs greedy: tok/s, and the sampler vs a full sort",
+        description="Output tokens/s of the in-process engine on the same chats, greedy, "
+                    "sampled (temperature, top-p, top-k), and sampled with top-k/top-p by a "
+                    "sort of the whole vocabulary (what the sampler does on a GPU, and did on "
+                    "a CPU before it tried each row's most likely tokens first), at batch 1 and "
+                    "32, modes alternating, in one run.")
+    b.add_argument("--output-len", type=int, default=64,
+                   help="tokens per request in every mode (default 64)")
+    b.add_argument("--repeats", type=int, default=2,
+                   help="rounds, modes alternating; each mode reports its best (default 2)")
+    b.add_argument("--batch-sizes", type=positive_ints, default=(1, 32), metavar="N,N",
+                   help="requests side by side (default 1,32)")
+    b.add_argument("--temperature", type=float, default=0.8, help="(default 0.8)")
+    b.add_argument("--top-p", type=float, default=0.95, help="(default 0.95)")
+    b.add_argument("--top-k", type=int, default=0, help="(default 0: off)")
+    b.add_argument("--json", action="store_true",
+                   help="print one JSON object: rows (batch; greedy, sampled and "
+                        "sampled_full_sort tok_s; sampled_vs_greedy, full_sort_vs_greedy, "
+                        "speedup_vs_full_sort, sampled_equals_full_sort)")
+    add_engine_args(b)
+    b.set_defaults(run=_run_bench_sampling)
+
+
+def _run_bench_sampling(args: argparse.Namespace) -> int:
+    from kvserve.bench.sampling import run_sampling_bench
+
+    sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
+    report = run_sampling_bench(engine_config(args), output_len=args.output_len,
+                                repeats=args.repeats, batch_sizes=tuple(args.batch_sizes),
+                                sampling=sampling, progress=not args.json)
     print(json.dumps(report, indent=2) if args.json else report["summary"])
     return 0
 
