@@ -86,17 +86,22 @@ def _add_bench_structured(bench) -> None:
                     "of records, so every request runs --output-len tokens) against the same "
                     "requests unconstrained (ignoring EOS), at batch 1 and 32, in one run; "
                     "and the mask's own time per step (filling the bitmask, applying it).")
-    b.add_argument("--output-len", type=int, default=64,
-                   help="tokens per request in both modes (default 64)")
-    b.add_argument("--repeats", type=int, default=2,
-                   help="rounds, modes alternating; each mode reports its best (default 2)")
-    b.add_argument("--batch-sizes", type=positive_ints, default=(1, 32), metavar="N,N",
-                   help="requests side by side (default 1,32)")
+    _add_alternating_modes_args(b)
     b.add_argument("--json", action="store_true",
                    help="print one JSON object: rows (batch, unconstrained and json_schema "
                         "tok_s, mask_ms_per_step, mask_share, ratio), weights_read_ms")
     add_engine_args(b)
     b.set_defaults(run=_run_bench_structured)
+
+
+def _add_alternating_modes_args(b: argparse.ArgumentParser) -> None:
+    """The flags of the benchmarks that alternate modes on one engine (structured, sampling)."""
+    b.add_argument("--output-len", type=int, default=64,
+                   help="tokens per request in every mode (default 64)")
+    b.add_argument("--repeats", type=int, default=2,
+                   help="rounds, modes alternating; each mode reports its best (default 2)")
+    b.add_argument("--batch-sizes", type=positive_ints, default=(1, 32), metavar="N,N",
+                   help="requests side by side (default 1,32)")
 
 
 def _run_bench_structured(args: argparse.Namespace) -> int:
@@ -117,12 +122,7 @@ def _add_bench_sampling(bench) -> None:
                     "sort of the whole vocabulary (what the sampler does on a GPU, and did on "
                     "a CPU before it tried each row's most likely tokens first), at batch 1 and "
                     "32, modes alternating, in one run.")
-    b.add_argument("--output-len", type=int, default=64,
-                   help="tokens per request in every mode (default 64)")
-    b.add_argument("--repeats", type=int, default=2,
-                   help="rounds, modes alternating; each mode reports its best (default 2)")
-    b.add_argument("--batch-sizes", type=positive_ints, default=(1, 32), metavar="N,N",
-                   help="requests side by side (default 1,32)")
+    _add_alternating_modes_args(b)
     b.add_argument("--temperature", type=float, default=0.8, help="(default 0.8)")
     b.add_argument("--top-p", type=float, default=0.95, help="(default 0.95)")
     b.add_argument("--top-k", type=int, default=0, help="(default 0: off)")
