@@ -310,12 +310,12 @@ def _top_k_top_p_candidates(x: torch.Tensor, params: torch.Tensor, m: int) -> to
     The kept tokens are a prefix of the stable order, so a row is decided by its first m
     candidates (`torch.topk`, put back in the stable order: ties by id) when the kept prefix
     ends before the candidates' last value: every token past that is cut in any tie order.
-    The probabilities are the top-k-masked softmax over the whole row, as the sort's, so top-p
-    sees the same mass. A row is sent to the sort when its top-k is between m and the
-    vocabulary (its k-th value is not among the candidates) or its kept prefix reaches the last
-    candidate value (a flat distribution, or ties there). Each row's path depends on that row
-    alone, so a row's result does not depend on the batch. On a CPU the one flag read back
-    costs no device sync.
+    The probabilities are the sort's top-k-masked softmax over the whole row (summed in
+    vocabulary order rather than sorted order), so top-p sees the same mass. A row is sent to
+    the sort when its top-k is between m and the vocabulary (its k-th value is not among the
+    candidates) or its kept prefix reaches the last candidate value (a flat distribution, or
+    ties there). Each row's path depends on that row alone, so a row's result does not depend
+    on the batch. On a CPU the one flag read back costs no device sync.
     """
     vocab = x.shape[-1]
     k = params[:, _TOP_K].long()  # [n]; k = vocab when off
