@@ -11,7 +11,9 @@ What it does, and why:
   set `USES_SHARED_RAY = "<group>"` are one unit together, so the shared cluster
   (tests/serving.py) starts once and deployments are reused within a group.
 - **Order.** The shared cluster's unit first (longest), then the other Ray modules, then the
-  rest: the other worker takes the short modules meanwhile.
+  modules that load the real model, then the fast ones: a long unit handed out last would
+  leave one worker computing alone at the end, while the fast modules (a few seconds each)
+  even out the two workers' ends.
 - **The shared cluster's lifetime.** It runs only during the modules that use it, is stopped
   for a test that starts its own head (`own_ray_head`), and at the session's end.
 - **One thread per worker process**, inherited by the subprocesses, heads and replicas a
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -58,7 +60,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if _uses_ray(item) and not item.get_closest_marker("ray"):
             item.add_marker(pytest.mark.ray)  # so `-m "not ray"` leaves out every Ray test
         item.add_marker(pytest.mark.xdist_group(_worker_group(item)))
-    items.sort(key=_run_order)  # stable: file order is kept within each group
+    items.sort(key=_unit_order(items))  # stable: file order is kept within each unit
 
 
 # --- two workers (pytest-xdist, `make test`) ----------------------------------------------
@@ -84,10 +86,25 @@ def _worker_group(item: pytest.Item) -> str:
 
 def _run_order(item: pytest.Item) -> tuple[int, str]:
     """The shared cluster's modules first (in group order), then the other Ray modules, then
-    the rest; the order only matters to how units are handed to workers."""
+    the real model's (`slow`), then the fast ones; the order only matters to how units are
+    handed to workers."""
     if _shared_ray_group(item):
         return (0, _shared_ray_group(item))
-    return (1 if _uses_ray(item) else 2, "")
+    if _uses_ray(item):
+        return (1, "")
+    return (2 if item.get_closest_marker("slow") else 3, "")
+
+
+def _unit_order(items: list[pytest.Item]) -> Callable[[pytest.Item], tuple[int, str]]:
+    """The sort key that places each unit by its earliest-ordered test, so a module whose
+    tests are partly slow moves whole and its tests keep their file order (the shared cluster's
+    unit stays in group order, test by test)."""
+    first: dict[str, tuple[int, str]] = {}
+    for item in items:
+        unit = _worker_group(item)
+        if unit != SHARED_RAY_UNIT:
+            first[unit] = min(first.get(unit, _run_order(item)), _run_order(item))
+    return lambda item: first.get(_worker_group(item)) or _run_order(item)
 
 
 # xdist workers on two cores: every process a worker starts computes on one thread. Set in

@@ -43,6 +43,20 @@ def test_linear_equals_f_linear(kernels, n, k, rows):
                                rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize(("n", "k"), [(48, 64), (50, 7), (130, 1536), (1, 17)])
+def test_the_packed_layout_is_48_row_panels_transposed_and_zero_padded(kernels, n, k):
+    """The one-pass packing writes what the three-step definition gives: [N, K] padded with
+    zero rows to a multiple of 48, cut in 48-row panels, each transposed to [K, 48]; a
+    non-contiguous weight (a transposed view) packs as its contiguous copy."""
+    w = torch.randn(n, k)
+    panels = -(-n // 48)
+    padded = torch.zeros(panels * 48, k)
+    padded[:n] = w
+    expected = padded.view(panels, 48, k).transpose(1, 2)
+    assert torch.equal(kernels.pack_linear_weight(w), expected)
+    assert torch.equal(kernels.pack_linear_weight(w.t().contiguous().t()), expected)
+
+
 def test_a_rows_numbers_do_not_depend_on_the_batch(kernels):
     """Bit-identical whatever the row count and wherever the row falls in a tile."""
     gen = torch.Generator().manual_seed(0)

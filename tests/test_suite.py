@@ -12,16 +12,18 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.suite_plugin import SHARED_RAY_UNIT, _run_order, _worker_group
+from tests.suite_plugin import SHARED_RAY_UNIT, _run_order, _unit_order, _worker_group
 from tests.test_cli_detached import new_user_env
 
 
-def item(nodeid: str, shared: str = "", fixtures: tuple[str, ...] = (), ray: bool = False):
-    """A stand-in for a collected test: its id, its module's USES_SHARED_RAY, its fixtures."""
+def item(nodeid: str, shared: str = "", fixtures: tuple[str, ...] = (), ray: bool = False,
+         slow: bool = False):
+    """A stand-in for a collected test: its id, its module's USES_SHARED_RAY, its fixtures,
+    its `ray` and `slow` marks."""
+    marks = {name for name, on in (("ray", ray), ("slow", slow)) if on}
     return SimpleNamespace(nodeid=nodeid, module=SimpleNamespace(USES_SHARED_RAY=shared),
                            fixturenames=fixtures,
-                           get_closest_marker=lambda name: object() if ray and name == "ray"
-                           else None)
+                           get_closest_marker=lambda name: object() if name in marks else None)
 
 
 def test_the_shared_clusters_modules_are_one_unit_and_every_other_module_its_own():
@@ -36,6 +38,25 @@ def test_the_shared_clusters_modules_are_one_unit_and_every_other_module_its_own
     # handed out first: the shared unit (in group order), then the other Ray modules
     order = sorted([plain1, ray_module, b, a], key=_run_order)
     assert order == [a, b, ray_module, plain1]
+
+
+def test_units_go_out_shared_ray_real_model_then_fast_each_whole_in_file_order():
+    """The real model's modules before the fast ones, so that the run ends on short units; a
+    module with one slow test among fast ones moves whole, its tests in file order. Negative
+    control: sorted test by test (`_run_order`), that module's fast test would come last."""
+    fast_a, fast_b = item("tests/test_a.py::f1"), item("tests/test_a.py::f2")
+    mixed_fast = item("tests/test_b.py::fast")
+    mixed_slow = item("tests/test_b.py::slow", slow=True)
+    real = item("tests/test_c.py::r", slow=True)
+    ray_module = item("tests/test_d.py::z", ray=True)
+    shared_two, shared_one = item("tests/test_e.py::s", shared="2"), item("tests/test_f.py::s",
+                                                                          shared="1")
+    items = [fast_a, fast_b, mixed_fast, mixed_slow, real, ray_module, shared_two, shared_one]
+    ordered = sorted(items, key=_unit_order(items))
+    assert ordered == [shared_one, shared_two, ray_module, mixed_fast, mixed_slow, real,
+                       fast_a, fast_b]
+    test_by_test = sorted(items, key=_run_order)
+    assert test_by_test.index(mixed_fast) > test_by_test.index(real)
 
 
 def test_an_xdist_worker_and_what_it_starts_compute_on_one_thread():
