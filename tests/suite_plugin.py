@@ -10,10 +10,11 @@ What it does, and why:
   module is one unit (its fixtures, an engine or a cluster, are made once); the modules that
   set `USES_SHARED_RAY = "<group>"` are one unit together, so the shared cluster
   (tests/serving.py) starts once and deployments are reused within a group.
-- **Order.** The shared cluster's unit first (longest), then the other Ray modules, then the
-  modules that load the real model, then the fast ones: a long unit handed out last would
-  leave one worker computing alone at the end, while the fast modules (a few seconds each)
-  even out the two workers' ends.
+- **Order.** The shared cluster's unit first (longest), then the modules that load the real
+  model (they compute while the cluster's tests wait on processes), then the other Ray
+  modules, then the fast ones: a long unit handed out last would leave one worker computing
+  alone at the end, while the fast modules (a few seconds each) even out the two workers'
+  ends.
 - **The shared cluster's lifetime.** It runs only during the modules that use it, is stopped
   for a test that starts its own head (`own_ray_head`), and at the session's end.
 - **One thread per worker process**, inherited by the subprocesses, heads and replicas a
@@ -68,8 +69,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 # spends half its time waiting on processes that start, deploy and stream, and the other
 # worker uses that core. Each module is one unit of work, so a module's fixtures (an
 # engine, a cluster) are made once; the modules on the shared Ray cluster are one unit, so that
-# cluster starts once. The Ray units go first, the shared cluster's first of all, as the
-# longest: the other worker takes the short modules meanwhile.
+# cluster starts once. The shared cluster's unit goes first, as the longest, while the other
+# worker takes the real model's modules (see `_run_order`).
 SHARED_RAY_UNIT = "shared-ray-cluster"
 
 
@@ -85,14 +86,14 @@ def _worker_group(item: pytest.Item) -> str:
 
 
 def _run_order(item: pytest.Item) -> tuple[int, str]:
-    """The shared cluster's modules first (in group order), then the other Ray modules, then
-    the real model's (`slow`), then the fast ones; the order only matters to how units are
+    """The shared cluster's modules first (in group order), then the real model's (`slow`),
+    then the other Ray modules, then the fast ones; the order only matters to how units are
     handed to workers."""
     if _shared_ray_group(item):
         return (0, _shared_ray_group(item))
     if _uses_ray(item):
-        return (1, "")
-    return (2 if item.get_closest_marker("slow") else 3, "")
+        return (2, "")
+    return (1 if item.get_closest_marker("slow") else 3, "")
 
 
 def _unit_order(items: list[pytest.Item]) -> Callable[[pytest.Item], tuple[int, str]]:

@@ -40,10 +40,12 @@ def test_the_shared_clusters_modules_are_one_unit_and_every_other_module_its_own
     assert order == [a, b, ray_module, plain1]
 
 
-def test_units_go_out_shared_ray_real_model_then_fast_each_whole_in_file_order():
-    """The real model's modules before the fast ones, so that the run ends on short units; a
-    module with one slow test among fast ones moves whole, its tests in file order. Negative
-    control: sorted test by test (`_run_order`), that module's fast test would come last."""
+def test_units_go_out_shared_cluster_real_model_other_ray_then_fast_each_whole():
+    """The real model's modules next to the shared cluster's (the other worker computes while
+    the cluster's tests wait), the other Ray modules after them, the fast ones last so the run
+    ends on short units; a module with one slow test among fast ones moves whole, its tests in
+    file order. Negative control: sorted test by test (`_run_order`), that module's fast test
+    would come after the real model's."""
     fast_a, fast_b = item("tests/test_a.py::f1"), item("tests/test_a.py::f2")
     mixed_fast = item("tests/test_b.py::fast")
     mixed_slow = item("tests/test_b.py::slow", slow=True)
@@ -53,7 +55,7 @@ def test_units_go_out_shared_ray_real_model_then_fast_each_whole_in_file_order()
                                                                           shared="1")
     items = [fast_a, fast_b, mixed_fast, mixed_slow, real, ray_module, shared_two, shared_one]
     ordered = sorted(items, key=_unit_order(items))
-    assert ordered == [shared_one, shared_two, ray_module, mixed_fast, mixed_slow, real,
+    assert ordered == [shared_one, shared_two, mixed_fast, mixed_slow, real, ray_module,
                        fast_a, fast_b]
     test_by_test = sorted(items, key=_run_order)
     assert test_by_test.index(mixed_fast) > test_by_test.index(real)
