@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -38,6 +38,27 @@ def greedy_params(max_tokens: int, *, ignore_eos: bool = True, **extra: Any) -> 
     setting computes the same tokens) and, by default, `ignore_eos`, so that a request emits
     exactly `max_tokens` tokens and tokens/s compare like for like. `extra`: e.g. logprobs."""
     return {"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": ignore_eos, **extra}
+
+
+M = TypeVar("M")
+R = TypeVar("R")
+
+
+def best_of_alternating(modes: Sequence[M], repeats: int, run: Callable[[M], R],
+                        seconds: Callable[[R], float],
+                        after_each: Callable[[], object] = lambda: None) -> dict[M, R]:
+    """Each mode's fastest of `repeats` runs, the modes taking turns and every other round in
+    reverse order, so no mode always runs first or after the same neighbour (on a shared
+    machine the slow rounds measure its neighbours, so each mode reports its best).
+    `after_each` is called after every run (a progress bar's update)."""
+    best: dict[M, R] = {}
+    for r in range(repeats):
+        for mode in (modes if r % 2 == 0 else modes[::-1]):
+            result = run(mode)
+            if mode not in best or seconds(result) < seconds(best[mode]):
+                best[mode] = result
+            after_each()
+    return best
 
 
 def percentile(values: Iterable[float], q: float) -> float:

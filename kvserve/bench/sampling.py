@@ -17,7 +17,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from kvserve.bench.common import greedy_params
+from kvserve.bench.common import best_of_alternating, greedy_params
 from kvserve.bench.structured import PROMPTS
 from kvserve.workers.config import EngineConfig
 from kvserve.workers.engine import LLMEngine
@@ -65,13 +65,10 @@ def run_sampling_bench(config: EngineConfig, output_len: int = 64, repeats: int 
                unit="run", disable=not progress)
     rows = []
     for batch in batch_sizes:
-        best: dict[str, dict[str, float]] = {}
-        for r in range(repeats):
-            for mode in (MODES if r % 2 == 0 else MODES[::-1]):
-                run = _run(engine, batch, output_len, mode, sampling)
-                if mode not in best or run["seconds"] < best[mode]["seconds"]:
-                    best[mode] = run
-                bar.update(1)
+        best = best_of_alternating(
+            MODES, repeats,
+            lambda mode, batch=batch: _run(engine, batch, output_len, mode, sampling),
+            lambda run: run["seconds"], bar.update)
         same = best["sampled"].pop("token_ids") == best["sampled_full_sort"].pop("token_ids")
         best["greedy"].pop("token_ids")
         rows.append({"batch": batch, **best, "sampled_equals_full_sort": same,

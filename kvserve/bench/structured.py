@@ -23,7 +23,7 @@ from typing import Any
 from tqdm import tqdm
 
 from kvserve.bench.baselines import weights_read_seconds
-from kvserve.bench.common import greedy_params
+from kvserve.bench.common import best_of_alternating, greedy_params
 from kvserve.workers.config import EngineConfig
 from kvserve.workers.engine import LLMEngine
 
@@ -151,13 +151,10 @@ def run_structured_bench(config: EngineConfig, output_len: int = 64, repeats: in
                disable=not progress)
     rows = []
     for batch in batch_sizes:
-        best: dict[bool, Run] = {}
-        for r in range(repeats):
-            for constrained in ((False, True) if r % 2 == 0 else (True, False)):
-                run = _run(engine, batch, output_len, constrained)
-                if constrained not in best or run.seconds < best[constrained].seconds:
-                    best[constrained] = run
-                bar.update(1)
+        best = best_of_alternating(
+            (False, True), repeats,
+            lambda constrained, batch=batch: _run(engine, batch, output_len, constrained),
+            lambda run: run.seconds, bar.update)
         plain, schema = best[False], best[True]
         rows.append({"batch": batch, "unconstrained": plain.to_dict(),
                      "json_schema": schema.to_dict(), "ratio": schema.tok_s / plain.tok_s})
