@@ -1,6 +1,9 @@
-"""kvserve's CPU projection kernel (`linear`) and the one-call decode layer (`decode_layer`)."""
+"""kvserve's CPU projection kernels (`linear`, `linear_codes` over block codes) and the one-call
+decode layer (`decode_layer`)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -179,6 +182,125 @@ def test_a_decode_step_reads_every_weight_once_and_no_embedding(kernels):
     expected = sum(p.numel() * 4 for name, p in model.named_parameters() if "embed" not in name)
     assert weight_bytes_per_decode_step(model) == expected
     assert weights_read_seconds(model, repeats=2) > 0
+
+
+# block codes (`linear_codes`): fp32 weights that are a GGUF checkpoint's Q4_1 / Q8_0 blocks
+
+
+def q4_1(w: torch.Tensor) -> torch.Tensor:
+    """`w` [n, k] block-quantized as GGUF's Q4_1 and dequantized as gguf-py does: per 32 inputs
+    an fp16 scale d and minimum m, w = d q + m with 4-bit codes q (the minimum's code 0, the
+    maximum's 15)."""
+    n, k = w.shape
+    blocks = w.reshape(n, k // 32, 32)
+    lo, hi = blocks.amin(-1, keepdim=True), blocks.amax(-1, keepdim=True)
+    d, m = ((hi - lo) / 15).half().float(), lo.half().float()
+    q = torch.round((blocks - m) / torch.where(d > 0, d, 1)).clamp(0, 15).int().float()
+    return (d * q + m).reshape(n, k)
+
+
+def q8_0(w: torch.Tensor) -> torch.Tensor:
+    """`w` as GGUF's Q8_0: per 32 inputs an fp16 scale d, w = d q with q in [-127, 127]."""
+    n, k = w.shape
+    blocks = w.reshape(n, k // 32, 32)
+    d = (blocks.abs().amax(-1, keepdim=True) / 127).half().float()
+    q = torch.round(blocks / torch.where(d > 0, d, 1)).int().float()  # codes: a 0 is +0
+    return (d * q).reshape(n, k)
+
+
+CODE_BYTES = {"q4_1": 2 * 48 * 4 + 16 * 48, "q8_0": 2 * 48 * 4 + 32 * 48}  # per 32 x 48 block
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+@pytest.mark.parametrize(("n", "k"), [(48, 64), (50, 32), (960, 576), (130, 1536)])
+@pytest.mark.parametrize("rows", [0, 1, 7, 8, 9, 33])
+def test_block_codes_give_linears_outputs_bit_for_bit(kernels, fmt, n, k, rows):
+    """A block-quantized weight packs to codes 5.3x (Q4_1) or 3.6x (Q8_0) smaller than its fp32
+    panels, and `linear_codes` returns `linear`'s output to the last bit: one tile of rows
+    (decoded block by block) or several (the panel decoded once), with a bias."""
+    gen = torch.Generator().manual_seed(n * k + rows)
+    w = (q4_1 if fmt == "q4_1" else q8_0)(torch.randn(n, k, generator=gen))
+    b, x = torch.randn(n, generator=gen), torch.randn(rows, k, generator=gen)
+    codes = kernels.pack_linear_weight_codes(w)
+    assert codes.dtype == torch.uint8 and codes.shape == (-(-n // 48), k // 32, CODE_BYTES[fmt])
+    dense = kernels.pack_linear_weight(w)
+    for bias in (None, b):
+        ours = kernels.linear_codes(x, codes, n, bias)
+        assert torch.equal(ours.view(torch.int32), kernels.linear(x, dense, n, bias)
+                           .view(torch.int32))
+
+
+def test_a_weight_that_is_not_block_codes_to_the_last_bit_stays_fp32(kernels):
+    """Codes are kept only where they give back every weight bit for bit: one weight of a Q4_1
+    matrix moved by one ulp, a plain random matrix and an input count that is not a multiple of
+    32 get none, and the module packs its fp32 panels instead."""
+    gen = torch.Generator().manual_seed(0)
+    w = q4_1(torch.randn(96, 64, generator=gen))
+    assert kernels.pack_linear_weight_codes(w) is not None
+    nudged = w.clone()
+    nudged[50, 40] = torch.nextafter(nudged[50, 40], torch.tensor(1.0))
+    assert kernels.pack_linear_weight_codes(nudged) is None
+    assert kernels.pack_linear_weight_codes(torch.randn(96, 64, generator=gen)) is None
+    assert kernels.pack_linear_weight_codes(q4_1(torch.randn(96, 64))[:, :48]) is None
+    lin = Linear(64, 96, bias=False)
+    lin.weight.data.copy_(nudged)
+    lin.pack_for_kernels(kernels)
+    assert lin.kernel is kernels.linear
+    lin.weight.data = w.clone()  # (unpacked again)
+    lin.pack_for_kernels(kernels)
+    assert lin.kernel is kernels.linear_codes
+    off = Linear(64, 96, bias=False)
+    off.weight.data.copy_(w)
+    off.pack_for_kernels(kernels, weight_codes=False)
+    assert off.kernel is kernels.linear
+
+
+def _block_coded(ckpt):
+    """`ckpt` with every matrix Q4_1 (the embedding, and so the tied lm_head, Q8_0), as a GGUF
+    checkpoint loads."""
+    tensors = {name: (q8_0(t) if "embed" in name else q4_1(t)) if t.dim() == 2 else t
+               for name, t in ckpt.tensors.items()}
+    return dataclasses.replace(ckpt, tensors=tensors)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])  # qwen2: q/k/v biases
+def test_a_block_coded_model_reads_codes_and_computes_what_fp32_panels_do(kernels, model_type):
+    """Every projection of a block-coded checkpoint runs `linear_codes` from under a third of
+    the bytes (the tiny model is mostly its Q8_0 lm_head), and a decode step (one C++ call a
+    layer, and the Python layers) gives the hidden states and K/V the fp32 panels give, bit
+    for bit. Control: `weight_codes=False` packs fp32."""
+    ckpt = _block_coded(tiny_checkpoint(model_type, **COVERED))
+    coded = build_model(ckpt, torch.device("cpu"), torch.float32, kernels)
+    plain = build_model(ckpt, torch.device("cpu"), torch.float32, kernels, weight_codes=False)
+    linears = [m for m in coded.modules() if isinstance(m, Linear)]
+    assert all(m.kernel is kernels.linear_codes for m in linears)
+    assert all(m.kernel is kernels.linear for m in plain.modules() if isinstance(m, Linear))
+    assert weight_bytes_per_decode_step(coded) < weight_bytes_per_decode_step(plain) / 3
+    backend = make_backend("cpu", kernels)
+    ids, cos, sin, kv_cache, meta = _decode_step(coded, [1, 17, 40, 16])
+    caches = [[(k.clone(), v.clone()) for k, v in kv_cache] for _ in range(3)]
+    with torch.inference_mode():
+        fused = coded(ids, cos, sin, caches[0], meta, backend)
+        reference = plain(ids, cos, sin, caches[1], meta, backend)
+        coded.decode_kernels = None  # the Python layers, op by op
+        python = coded(ids, cos, sin, caches[2], meta, backend)
+    assert torch.equal(fused, reference) and torch.equal(python, reference)
+    assert torch.equal(coded.compute_logits(fused), plain.compute_logits(reference))
+    for ours, theirs in zip(caches[0], caches[1], strict=True):
+        assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
+
+
+def test_smollm2s_gguf_weights_all_pack_as_block_codes(kernels, real_checkpoint):
+    """The default model's GGUF holds Q4_1 matrices and a Q8_0 embedding: every one packs to
+    codes (115 MB a decode step reads instead of 538)."""
+    formats = {}
+    for name, t in real_checkpoint.tensors.items():
+        if t.dim() == 2:
+            codes = kernels.pack_linear_weight_codes(t.float())
+            formats[name] = None if codes is None else codes.shape[-1]
+    assert formats["model.embed_tokens.weight"] == CODE_BYTES["q8_0"]
+    others = {v for name, v in formats.items() if name != "model.embed_tokens.weight"}
+    assert others == {CODE_BYTES["q4_1"]} and len(formats) == 211
 
 
 # bf16 projections (`linear_bf16`): bf16 weights and activations, fp32 multiply-adds, bf16 out

@@ -120,7 +120,8 @@ def build_engine_parts(config: EngineConfig, checkpoint: LoadedCheckpoint | None
     cpu_kernels = kernels.result()
     max_model_len = model_len(config, ckpt.config)
     backend_name = resolve_backend_name(config.attention_backend, device)
-    model = build_model(ckpt, device, dtype, cpu_kernels, triton=backend_name == "triton")
+    model = build_model(ckpt, device, dtype, cpu_kernels, triton=backend_name == "triton",
+                        weight_codes=config.weight_codes)
     # the decode attention kernel runs fp32 and bf16: other dtypes take the torch backend
     attention_kernels = cpu_kernels if dtype in (torch.float32, torch.bfloat16) else None
     backend = make_backend(backend_name, attention_kernels)
@@ -246,11 +247,12 @@ def cpu_kernels_for(device: torch.device, dtype: torch.dtype) -> CpuKernels | No
 
 def build_model(
     ckpt: LoadedCheckpoint, device: torch.device, dtype: torch.dtype,
-    cpu_kernels: CpuKernels | None, triton: bool = False,
+    cpu_kernels: CpuKernels | None, triton: bool = False, weight_codes: bool = True,
 ) -> CausalLM:
     """The model in `dtype` on `device`; `triton`: with its Triton kernels (the triton
-    attention backend's model, `CausalLM.use_triton_kernels`)."""
-    key = (device, dtype, cpu_kernels is not None, triton)
+    attention backend's model, `CausalLM.use_triton_kernels`); `weight_codes`: fp32 projections
+    read block codes where they give back the weights exactly (`Linear.pack_for_kernels`)."""
+    key = (device, dtype, cpu_kernels is not None, triton, weight_codes)
     if key in ckpt.models:  # another engine in this process built it from these tensors
         return ckpt.models[key]
     with torch.device("meta"):
@@ -262,7 +264,7 @@ def build_model(
     if triton:
         model.use_triton_kernels()
     elif cpu_kernels is not None:
-        model.use_cpu_kernels(cpu_kernels)
+        model.use_cpu_kernels(cpu_kernels, weight_codes)
     if device.type == "cpu" and onednn_available(dtype):
         model.use_onednn_matmuls()
     ckpt.models[key] = model = model.eval()

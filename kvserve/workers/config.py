@@ -98,6 +98,10 @@ class EngineConfig:
     num_kv_blocks: int | None = setting(
         None, "exact KV pool size in blocks, overriding the memory budget", gt=0)
     max_num_seqs: int = setting(64, "sequences per step", gt=0)
+    weight_codes: bool = setting(
+        True, "fp32 on CPU: keep a GGUF checkpoint's block-quantized weights (Q4_1, Q8_0) as "
+              "their codes where every fp32 weight decodes back exactly; the same outputs bit "
+              "for bit, from a fifth of the bytes")
     enforce_eager: bool = setting(
         False, "CUDA with the triton backend: run every step eagerly. Otherwise pure-decode "
                "steps replay CUDA graphs captured at start for padded batch sizes 1, 2, 4, 8, "

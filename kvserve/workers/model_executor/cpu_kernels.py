@@ -4,6 +4,9 @@ prepare`
 
 - `linear` (`pack_linear_weight`): every projection, batch-invariant, weights in 48-output
   panels (AVX-512 builds only; `linear_available()` says; otherwise oneDNN runs them).
+- `linear_codes` (`pack_linear_weight_codes`): `linear`'s output bit for bit from a GGUF
+  checkpoint's block codes (Q4_1: 0.75 bytes a weight, Q8_0: 1.125) instead of fp32 panels, kept
+  only where every weight decodes back exactly; batch-1 decode reads a fifth of the bytes.
 - `linear_bf16` (`pack_linear_weight_bf16`): the same for bf16 weights and activations, fp32
   multiply-adds, bf16 out (`bf16_linear_available()`; `linear_available_for` asks per dtype).
 - `decode_layer`: a whole decoder layer of a decode-only step in one call, over the kernels here.
@@ -50,9 +53,10 @@ CpuKernels = Any
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / name for name in ("bindings.cpp", "paged_decode.cpp", "fused_ops.cpp",
-                                    "linear.cpp", "linear_bf16.cpp", "decode_layer.cpp",
+                                    "linear.cpp", "linear_codes.cpp",
+                                    "linear_bf16.cpp", "decode_layer.cpp",
                                     "token_bitmask.cpp")]
-HEADERS = [CSRC / name for name in ("kernels.h", "bf16.h")]
+HEADERS = [CSRC / name for name in ("kernels.h", "bf16.h", "linear_tile.h")]
 # -march=native: the build directory belongs to this machine (kvserve's cache directory).
 # -ffast-math: glibc's vector expf (libmvec) is declared only under it; the kernels see only
 # finite values, and reassociated sums are what vectorizing them means

@@ -103,12 +103,19 @@ class Linear(nn.Linear):
         self.weight = nn.Parameter(packed, requires_grad=False)
         self.use_onednn = True
 
-    def pack_for_kernels(self, kernels: CpuKernels) -> None:
+    def pack_for_kernels(self, kernels: CpuKernels, weight_codes: bool = True) -> None:
         """Swap the weight for panels of `kernels.linear` (fp32) or `kernels.linear_bf16`
-        (bf16), as `pack_for_onednn` does."""
+        (bf16), as `pack_for_onednn` does. fp32 with `weight_codes`: the block codes of
+        `kernels.linear_codes` where they give back every weight exactly (a GGUF checkpoint's
+        Q4_1 and Q8_0 tensors): `linear`'s outputs bit for bit from 0.75 or 1.125 bytes a weight
+        instead of 4, and batch-1 decode is bound by reading the weights once."""
         weight = self.weight.detach()
+        codes = (kernels.pack_linear_weight_codes(weight)
+                 if weight_codes and weight.dtype == torch.float32 else None)
         if weight.dtype == torch.bfloat16:
             packed, self.kernel = kernels.pack_linear_weight_bf16(weight), kernels.linear_bf16
+        elif codes is not None and codes.numel():
+            packed, self.kernel = codes, kernels.linear_codes
         else:
             packed, self.kernel = kernels.pack_linear_weight(weight), kernels.linear
         self.weight = nn.Parameter(packed, requires_grad=False)
@@ -304,7 +311,7 @@ class CausalLM(nn.Module):
             if isinstance(module, Linear) and module.kernel is None:
                 module.pack_for_onednn()
 
-    def use_cpu_kernels(self, kernels: CpuKernels) -> None:
+    def use_cpu_kernels(self, kernels: CpuKernels, weight_codes: bool = True) -> None:
         """CPU only, fp32 and bf16 (bf16 needs an AVX-512 build): norms, RoPE, the MLP
         activation and (with AVX-512) the projections in kvserve's C++ kernels; where the `cpu`
         attention backend covers the shapes, decode-only steps run a layer per call. bf16's
@@ -321,7 +328,7 @@ class CausalLM(nn.Module):
         if linear_available_for(kernels, dtype):
             for module in self.modules():
                 if isinstance(module, Linear):
-                    module.pack_for_kernels(kernels)
+                    module.pack_for_kernels(kernels, weight_codes)
         attn = self.layers[0].self_attn
         if (linear_available_for(kernels, dtype) and elementwise_available_for(kernels, dtype)
                 and CPUAttention.covers_shape(dtype, attn.num_heads, attn.num_kv_heads,

@@ -24,6 +24,11 @@ TORCH_LIBRARY(kvserve, m) {
   m.def("decode_layer", &decode_layer);
   // x [rows, K], panels, N, bias -> x W^T + bias [rows, N]
   m.def("linear", &linear);
+  // W [N, K] -> block codes [ceil(N/48), K/32, bytes] (uint8) that give back W exactly, or an
+  // empty tensor where W is not a GGUF-style block-quantized weight
+  m.def("pack_linear_weight_codes", &pack_linear_weight_codes);
+  // x [rows, K], block codes, N, bias -> linear(x, pack_linear_weight(W), N, bias), bit for bit
+  m.def("linear_codes", &linear_codes);
   // whether `linear_bf16` was built (needs AVX-512)
   m.def("bf16_linear_available", &bf16_linear_available);
   // W [N, K] -> bf16 panels [ceil(N/48), ceil(K/2), 48, 2] (k pairs per output lane)

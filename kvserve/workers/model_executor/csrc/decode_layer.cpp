@@ -23,6 +23,7 @@ at::Tensor project(const at::Tensor& x, const std::vector<at::Tensor>& w, Weight
                    int64_t n) {
   const Weight b = static_cast<Weight>(which + 1);  // each projection's bias follows it
   if (w[which].scalar_type() == at::kBFloat16) return linear_bf16(x, w[which], n, bias(w, b));
+  if (w[which].scalar_type() == at::kByte) return linear_codes(x, w[which], n, bias(w, b));
   return linear(x, w[which], n, bias(w, b));
 }
 

@@ -17,6 +17,9 @@ bool linear_available();
 at::Tensor pack_linear_weight(const at::Tensor& w);
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
                   const c10::optional<at::Tensor>& bias);
+at::Tensor pack_linear_weight_codes(const at::Tensor& w);
+at::Tensor linear_codes(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                        const c10::optional<at::Tensor>& bias);
 bool bf16_linear_available();
 at::Tensor pack_linear_weight_bf16(const at::Tensor& w);
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t n,

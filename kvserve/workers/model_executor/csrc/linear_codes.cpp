@@ -1,0 +1,329 @@
+// The fp32 linear layer with its weights kept as the block codes they were decoded from.
+//
+// A GGUF checkpoint's weights are quantized in blocks of 32 inputs: Q4_1 keeps a scale d, an
+// offset m and 4-bit codes q (w = d q + m), Q8_0 a scale and 8-bit signed codes (w = d q). Loaded
+// as fp32, every weight is still exactly fma(d, q, m) for its block's d and m, so the codes hold
+// the same numbers in 0.75 or 1.125 bytes instead of 4. `pack_linear_weight_codes` finds d, m
+// and q for every block and keeps them only where fma(d, q, m) gives back every fp32 weight bit
+// for bit (a block holding -0, a NaN or an infinity never fits: that weight stays fp32).
+// `linear_codes` decodes the codes into `linear`'s fp32 panel layout and runs `linear`'s
+// multiply-add chains over it: for up to 8 rows (decode steps) a block at a time into L1 while
+// the accumulators stay in registers, for more a whole panel at a time into L2, then `linear`'s
+// own register tiles. Same values, same chains: the output equals `linear`'s bit for bit, at
+// every row count. What changes is the bytes a step reads (SmolLM2: 115 MB instead of 538), and
+// batch-1 decode is bound by reading the weights once.
+#include <ATen/core/Tensor.h>  // not torch/extension.h: 10x slower to compile
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "linear_tile.h"
+
+using linear_tile::kMR;
+using linear_tile::kNR;
+
+namespace {
+
+constexpr int64_t kBlock = 32;  // inputs per code block (GGUF's QK4_1 and QK8_0)
+// a panel's block: d [48] fp32, m [48] fp32, then the codes of its 32 inputs x 48 outputs:
+// 4-bit: 16 input pairs x 48 bytes (input 2i in the low nibble, 2i + 1 in the high);
+// 8-bit: 32 inputs x 48 signed bytes
+constexpr int64_t kHeader = 2 * kNR * 4;
+constexpr int64_t kBytes4 = kHeader + kBlock / 2 * kNR;
+constexpr int64_t kBytes8 = kHeader + kBlock * kNR;
+
+uint32_t bits(float x) {
+  uint32_t b;
+  std::memcpy(&b, &x, 4);
+  return b;
+}
+
+// The scales to try for a block whose codes span `levels` steps of `span`, into `out` (6 at
+// most): the fp16 value nearest the quotient (GGUF stores d in fp16), the quotient itself, and
+// the fp16 values around it; returns how many
+int candidate_scales(float span, int levels, float* out) {
+  const float d = span / static_cast<float>(levels);
+  const c10::Half h(d);
+  int count = 0;
+  out[count++] = static_cast<float>(h);
+  out[count++] = d;
+  for (const int step : {-1, 1, -2, 2}) {
+    c10::Half near;
+    near.x = static_cast<uint16_t>(h.x + step);
+    const float f = static_cast<float>(near);
+    if (f > 0.0f && f < 65536.0f) out[count++] = f;
+  }
+  return count;
+}
+
+// Codes for v[0..32) with w = fma(d, q, m), every w's bits equal to v's: 4-bit unsigned codes
+// with m the block's minimum, or 8-bit signed codes with m = 0. False if no scale tried fits.
+bool encode_block(const float* v, int code_bits, float& d_out, float& m_out, int32_t* q_out) {
+  const int qmin = code_bits == 4 ? 0 : -127, qmax = code_bits == 4 ? 15 : 127;
+#ifdef __AVX512F__
+  const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
+  const float lo = _mm512_reduce_min_ps(_mm512_min_ps(v0, v1));
+  const float hi = _mm512_reduce_max_ps(_mm512_max_ps(v0, v1));
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+#else
+  float lo = v[0], hi = v[0], amax = 0.0f;
+  for (int64_t i = 0; i < kBlock; ++i) {
+    lo = std::min(lo, v[i]);
+    hi = std::max(hi, v[i]);
+    amax = std::max(amax, std::fabs(v[i]));
+  }
+#endif
+  const float m = code_bits == 4 ? lo : 0.0f;
+  const float span = code_bits == 4 ? hi - lo : amax;
+#ifdef __AVX512F__
+  // the usual case, 16 weights at a time: the fp16 scale nearest span / qmax (GGUF's d) and the
+  // nearest codes fit; anything else takes the search below
+  const float first = static_cast<float>(c10::Half(span / static_cast<float>(qmax)));
+  if (span > 0.0f && first > 0.0f) {
+    const __m512 d = _mm512_set1_ps(first), inv = _mm512_set1_ps(1.0f / first);
+    const __m512 mv = _mm512_set1_ps(m);
+    const __m512i lo_q = _mm512_set1_epi32(qmin), hi_q = _mm512_set1_epi32(qmax);
+    bool fits = true;
+    for (int half = 0; half < 2 && fits; ++half) {
+      const __m512 x = half ? v1 : v0;
+      const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(x, mv), inv));
+      const __m512 back = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(q), mv);
+      const __mmask16 ok = _mm512_cmpeq_epi32_mask(_mm512_castps_si512(back),
+                                                   _mm512_castps_si512(x)) &
+                           _mm512_cmpge_epi32_mask(q, lo_q) & _mm512_cmple_epi32_mask(q, hi_q);
+      fits = ok == 0xFFFF;
+      _mm512_storeu_si512(q_out + 16 * half, q);
+    }
+    if (fits) {
+      d_out = first;
+      m_out = m;
+      return true;
+    }
+  }
+#endif
+  float scales[7];
+  int count = span > 0.0f ? candidate_scales(span, qmax, scales) : 0;
+  scales[count++] = 0.0f;  // a constant block: every code 0
+  for (int c = 0; c < count; ++c) {
+    const float d = scales[c], inv = d > 0.0f ? 1.0f / d : 0.0f;
+    bool fits = true;
+    for (int64_t i = 0; i < kBlock && fits; ++i) {
+      // the nearest code, or one either side of it (the quotient is rounded too)
+      const int q0 = d > 0.0f ? static_cast<int>(std::nearbyint((v[i] - m) * inv)) : 0;
+      fits = false;
+      for (const int q : {q0, q0 - 1, q0 + 1}) {
+        if (q < qmin || q > qmax || bits(std::fma(d, static_cast<float>(q), m)) != bits(v[i]))
+          continue;
+        q_out[i] = q;
+        fits = true;
+        break;
+      }
+    }
+    if (fits) {
+      d_out = d;
+      m_out = m;
+      return true;
+    }
+  }
+  return false;
+}
+
+// Every block of w [N, K] encoded with `code_bits`, or an empty tensor if one does not fit
+at::Tensor pack_with(const float* w, int64_t N, int64_t K, int code_bits) {
+  const int64_t panels = (N + kNR - 1) / kNR, blocks = K / kBlock;
+  const int64_t bytes = code_bits == 4 ? kBytes4 : kBytes8;
+  auto packed = at::zeros({panels, blocks, bytes}, at::TensorOptions().dtype(at::kByte));
+  uint8_t* out = packed.data_ptr<uint8_t>();
+  std::atomic<bool> fits{true};
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    int32_t q[kNR][kBlock];  // a block's codes, output by output
+    for (int64_t p = begin; p < end && fits; ++p) {
+      const int64_t n_valid = std::min(kNR, N - p * kNR);
+      std::memset(q[n_valid], 0, sizeof(q[0]) * (kNR - n_valid));  // padded outputs: code 0
+      for (int64_t b = 0; b < blocks && fits; ++b) {
+        uint8_t* block = out + (p * blocks + b) * bytes;
+        float* d = reinterpret_cast<float*>(block);
+        float* m = d + kNR;
+        for (int64_t j = 0; j < n_valid; ++j) {  // padded outputs keep d = m = 0
+          if (!encode_block(w + (p * kNR + j) * K + b * kBlock, code_bits, d[j], m[j], q[j])) {
+            fits = false;
+            break;
+          }
+        }
+        uint8_t* codes = block + kHeader;  // written in memory order
+        if (code_bits == 4) {
+          for (int64_t i = 0; i < kBlock / 2; ++i)
+            for (int64_t j = 0; j < kNR; ++j)
+              *codes++ = static_cast<uint8_t>(q[j][2 * i] | (q[j][2 * i + 1] << 4));
+        } else {
+          for (int64_t i = 0; i < kBlock; ++i)
+            for (int64_t j = 0; j < kNR; ++j)
+              *codes++ = static_cast<uint8_t>(static_cast<int8_t>(q[j][i]));
+        }
+      }
+    }
+  });
+  return fits ? packed : at::Tensor();
+}
+
+#ifdef __AVX512F__
+
+// This thread's buffer for a decoded panel, 64-byte aligned as the tiles' loads need. Kept
+// across calls: a fresh one per call (~300 KB, past malloc's mmap threshold) cost a page fault
+// per 4 KB of every projection of every step
+float* panel_buffer(int64_t floats) {
+  thread_local std::vector<float> buffer;
+  if (static_cast<int64_t>(buffer.size()) < floats + 16) buffer.resize(floats + 16);
+  return reinterpret_cast<float*>(
+      (reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~static_cast<uintptr_t>(63));
+}
+
+// One block's fp32 weights [32, 48] (what pack_linear_weight would have written for its 32
+// inputs), in the order they lie in memory: codes read and weights written sequentially
+void decode_block(const uint8_t* block, int64_t bytes, float* out) {
+  const float* d = reinterpret_cast<const float*>(block);
+  const float* m = d + kNR;
+  const uint8_t* codes = block + kHeader;
+  const __m512 d0 = _mm512_loadu_ps(d), d1 = _mm512_loadu_ps(d + 16), d2 = _mm512_loadu_ps(d + 32);
+  const __m512 m0 = _mm512_loadu_ps(m), m1 = _mm512_loadu_ps(m + 16), m2 = _mm512_loadu_ps(m + 32);
+  auto codes16 = [](const uint8_t* c, bool is_signed) {
+    const __m128i bytes16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));
+    return is_signed ? _mm512_cvtepi8_epi32(bytes16) : _mm512_cvtepu8_epi32(bytes16);
+  };
+  auto decode = [](__m512 dv, __m512i q, __m512 mv) {
+    return _mm512_fmadd_ps(dv, _mm512_cvtepi32_ps(q), mv);
+  };
+  if (bytes == kBytes4) {
+    const __m512i low4 = _mm512_set1_epi32(0xF);
+    for (int64_t i = 0; i < kBlock / 2; ++i, codes += kNR, out += 2 * kNR) {
+      const __m512i c0 = codes16(codes, false), c1 = codes16(codes + 16, false),
+                    c2 = codes16(codes + 32, false);
+      _mm512_store_ps(out, decode(d0, _mm512_and_si512(c0, low4), m0));
+      _mm512_store_ps(out + 16, decode(d1, _mm512_and_si512(c1, low4), m1));
+      _mm512_store_ps(out + 32, decode(d2, _mm512_and_si512(c2, low4), m2));
+      _mm512_store_ps(out + kNR, decode(d0, _mm512_srli_epi32(c0, 4), m0));
+      _mm512_store_ps(out + kNR + 16, decode(d1, _mm512_srli_epi32(c1, 4), m1));
+      _mm512_store_ps(out + kNR + 32, decode(d2, _mm512_srli_epi32(c2, 4), m2));
+    }
+  } else {
+    for (int64_t i = 0; i < kBlock; ++i, codes += kNR, out += kNR) {
+      _mm512_store_ps(out, decode(d0, codes16(codes, true), m0));
+      _mm512_store_ps(out + 16, decode(d1, codes16(codes + 16, true), m1));
+      _mm512_store_ps(out + 32, decode(d2, codes16(codes + 32, true), m2));
+    }
+  }
+}
+
+// `linear_tile::tile` for one tile of MR <= 8 rows, its panel read as blocks: each block is
+// decoded into `buffer` [32, 48] (it stays in L1) and multiplied in while the accumulators stay
+// in registers, so a few rows (decode steps) never write the whole decoded panel out to L2 and
+// read it back. The same multiply-adds in the same order, and the same epilogue, as `tile`.
+template <int MR>
+void tile_blocks(const float* x, int64_t ldx, const uint8_t* blocks, int64_t nblocks,
+                 int64_t bytes, float* buffer, float* out, int64_t ldo, int64_t n_valid,
+                 const float* bias) {
+  __m512 acc[MR][3];
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < 3; ++j) acc[m][j] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nblocks; ++b) {
+    decode_block(blocks + b * bytes, bytes, buffer);
+    const float* xb = x + b * kBlock;
+    for (int64_t k = 0; k < kBlock; ++k) {
+      const float* w = buffer + k * kNR;
+      const __m512 w0 = _mm512_load_ps(w), w1 = _mm512_load_ps(w + 16), w2 = _mm512_load_ps(w + 32);
+      for (int m = 0; m < MR; ++m) {
+        const __m512 a = _mm512_set1_ps(xb[m * ldx + k]);
+        acc[m][0] = _mm512_fmadd_ps(a, w0, acc[m][0]);
+        acc[m][1] = _mm512_fmadd_ps(a, w1, acc[m][1]);
+        acc[m][2] = _mm512_fmadd_ps(a, w2, acc[m][2]);
+      }
+    }
+  }
+  for (int j = 0; j < 3; ++j) {
+    const int64_t left = std::clamp<int64_t>(n_valid - 16 * j, 0, 16);
+    const __mmask16 mask = static_cast<__mmask16>((1u << left) - 1u);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + 16 * j) : _mm512_setzero_ps();
+    for (int m = 0; m < MR; ++m)
+      _mm512_mask_storeu_ps(out + m * ldo + 16 * j, mask, _mm512_add_ps(acc[m][j], b));
+  }
+}
+
+using BlockTileFn = void (*)(const float*, int64_t, const uint8_t*, int64_t, int64_t, float*,
+                             float*, int64_t, int64_t, const float*);
+constexpr BlockTileFn kBlockTiles[kMR + 1] = {
+    nullptr, tile_blocks<1>, tile_blocks<2>, tile_blocks<3>, tile_blocks<4>,
+    tile_blocks<5>, tile_blocks<6>, tile_blocks<7>, tile_blocks<8>};
+
+#endif
+
+}  // namespace
+
+// w: fp32 [N, K] -> block codes [ceil(N / 48), K / 32, bytes] (uint8), 4-bit codes where every
+// block fits them, else 8-bit; an empty tensor where neither gives back w exactly (or K is not
+// a multiple of 32): the caller packs the fp32 weight instead
+at::Tensor pack_linear_weight_codes(const at::Tensor& w_in) {
+  TORCH_CHECK(w_in.scalar_type() == at::kFloat && w_in.dim() == 2,
+              "pack_linear_weight_codes: fp32 [N, K]");
+  const at::Tensor w = w_in.contiguous();
+  const int64_t N = w.size(0), K = w.size(1);
+  if (K % kBlock != 0 || N == 0) return at::Tensor();
+  at::Tensor packed = pack_with(w.data_ptr<float>(), N, K, 4);
+  if (!packed.defined()) packed = pack_with(w.data_ptr<float>(), N, K, 8);
+  return packed;
+}
+
+// x: [rows, K] (dense last dim), packed: pack_linear_weight_codes' -> [rows, n], equal to
+// linear(x, pack_linear_weight(w), n, bias) bit for bit
+at::Tensor linear_codes(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                        const c10::optional<at::Tensor>& bias) {
+#ifdef __AVX512F__
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
+              "linear_codes: fp32 x [rows, K] with a dense last dim");
+  const int64_t rows = x.size(0), K = x.size(1), panels = packed.size(0);
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 3 &&
+                  packed.size(1) * kBlock == K &&
+                  (packed.size(2) == kBytes4 || packed.size(2) == kBytes8) &&
+                  n > (panels - 1) * kNR && n <= panels * kNR,
+              "linear_codes: block codes [panels, K / 32, bytes] for ", n, " outputs and K = ", K);
+  const float* b = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
+                "linear_codes: fp32 bias [n]");
+    b = bias->data_ptr<float>();
+  }
+  auto out = at::empty({rows, n}, x.options());
+  if (rows == 0) return out;  // (a chunk that samples nothing: lm_head gets no rows)
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* cp = packed.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  const int64_t ldx = x.stride(0), blocks = packed.size(1), bytes = packed.size(2);
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    float* panel = panel_buffer(K * kNR);
+    for (int64_t p = begin; p < end; ++p) {
+      const uint8_t* codes = cp + p * blocks * bytes;
+      const int64_t n0 = p * kNR, n_valid = std::min(kNR, n - n0);
+      if (rows <= kMR) {  // one tile: decode block by block, in L1
+        kBlockTiles[rows](xp, ldx, codes, blocks, bytes, panel, op + n0, n, n_valid,
+                          b ? b + n0 : nullptr);
+        continue;
+      }
+      for (int64_t blk = 0; blk < blocks; ++blk)  // many tiles: decode the panel once, in L2
+        decode_block(codes + blk * bytes, bytes, panel + blk * kBlock * kNR);
+      for (int64_t m0 = 0; m0 < rows; m0 += kMR) {
+        const int64_t mr = std::min(kMR, rows - m0);
+        linear_tile::kTiles[mr](xp + m0 * ldx, ldx, panel, K, op + m0 * n + n0, n, n_valid,
+                                b ? b + n0 : nullptr);
+      }
+    }
+  });
+  return out;
+#else
+  TORCH_CHECK(false, "linear_codes: built without AVX-512");
+#endif
+}
