@@ -303,6 +303,18 @@ def test_smollm2s_gguf_weights_all_pack_as_block_codes(kernels, real_checkpoint)
     assert others == {CODE_BYTES["q4_1"]} and len(formats) == 211
 
 
+def test_the_step_bench_times_both_packings_of_the_models_weights(kernels, real_checkpoint,
+                                                                   capsys):
+    """`python -m kvserve.bench.linear --step`: both packings' sizes, a time for each row count
+    and their ratio, the outputs checked equal first (it asserts that)."""
+    from kvserve.bench.linear import step_weights_bench
+
+    ratios = step_weights_bench(kernels, [1, 9], 0.01, real_checkpoint.tensors)
+    assert set(ratios) == {1, 9} and all(r > 0 for r in ratios.values())
+    out = capsys.readouterr().out
+    assert "fp32 panels: 538 MB" in out and "block codes: 115 MB" in out
+
+
 # bf16 projections (`linear_bf16`): bf16 weights and activations, fp32 multiply-adds, bf16 out
 
 

@@ -1,6 +1,12 @@
 """GFLOP/s of the CPU projection paths on SmolLM2-135M's shapes, to choose between them.
 
     python -m kvserve.bench.linear [--rows 1 8 32 128 512] [--seconds 0.3] [--threads 1]
+    python -m kvserve.bench.linear --step [--rows ...]
+
+`--step`: every projection of one step over the default model's own weights, as a decode step
+runs them (each weight once, 538 MB of fp32 panels: no cache holds them), fp32 panels (`linear`)
+against the GGUF's block codes (`linear_codes`, 115 MB), with the outputs checked equal bit for
+bit.
 
 Per shape (in -> out) and row count: kvserve's bf16 kernel (`linear_bf16`), oneDNN prepacked bf16
 (what `Linear.pack_for_onednn` runs), F.linear bf16 and kvserve's fp32 kernel (`linear`), with the
@@ -63,18 +69,67 @@ def paths(kernels: CpuKernels | None, w: torch.Tensor,
     return out
 
 
+def step_weights_bench(kernels: CpuKernels, rows: list[int], seconds: float,
+                       tensors: dict[str, torch.Tensor] | None = None) -> dict[int, float]:
+    """`--step`: ms for one step's projections at each row count, fp32 panels against block
+    codes, over the default model's weights (the tied lm_head included), or `tensors`' matrices.
+    Returns {rows: fp32 panels' time / block codes' time}."""
+    if tensors is None:
+        from kvserve.workers.model_executor.loader import load_checkpoint
+
+        tensors = load_checkpoint(None).tensors
+    weights = [t.float().contiguous() for t in tensors.values() if t.dim() == 2]
+    packs = {"fp32 panels": [(kernels.pack_linear_weight(w), w.shape[0], w.shape[1])
+                             for w in weights]}
+    codes = [(kernels.pack_linear_weight_codes(w), w.shape[0], w.shape[1]) for w in weights]
+    if all(c is not None for c, _, _ in codes):
+        packs["block codes"] = codes
+    for label, pack in packs.items():
+        print(f"{label}: {sum(p.numel() * p.element_size() for p, _, _ in pack) / 1e6:.0f} MB")
+    kernel = {"fp32 panels": kernels.linear, "block codes": kernels.linear_codes}
+    print(f"  {'rows':>5} " + " ".join(f"{h + ' ms':>15}" for h in packs) + "    ratio")
+    gen = torch.Generator().manual_seed(0)
+    ratios = {}
+    for n_rows in rows:
+        xs = {k: torch.randn(n_rows, k, generator=gen) for _, _, k in codes}
+
+        def run(label: str, xs: dict[int, torch.Tensor] = xs) -> list[torch.Tensor]:
+            return [kernel[label](xs[k], p, n, None) for p, n, k in packs[label]]
+
+        if "block codes" in packs:
+            same = all(torch.equal(a.view(torch.int32), b.view(torch.int32))
+                       for a, b in zip(run("fp32 panels"), run("block codes"), strict=True))
+            assert same, "block codes and fp32 panels differ"
+        ms = {label: seconds_per_call(lambda label=label: run(label), seconds) * 1e3
+              for label in packs}
+        ratios[n_rows] = ratio = (ms["fp32 panels"] / ms["block codes"] if "block codes" in ms
+                                  else float("nan"))
+        print(f"  {n_rows:5d} " + " ".join(f"{v:15.1f}" for v in ms.values())
+              + f"    {ratio:.2f}x")
+    return ratios
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, nargs="+", default=ROWS)
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--seconds", type=float, default=0.3, help="timing budget per cell")
     parser.add_argument("--threads", type=int, default=0, help="intra-op threads (0: torch's)")
+    parser.add_argument("--step", action="store_true",
+                        help="one step's projections over the default model's own weights: "
+                             "fp32 panels against the GGUF's block codes")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     print(cpu_features())
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads\n")
     kernels = load_cpu_kernels()
+    if args.step:
+        if not linear_available_for(kernels, torch.float32):
+            raise SystemExit("--step needs kvserve's fp32 kernels (an AVX-512 build)")
+        with torch.inference_mode():
+            step_weights_bench(kernels, args.rows, args.seconds)
+        return
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for name in args.shapes:
