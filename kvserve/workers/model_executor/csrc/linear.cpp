@@ -10,11 +10,7 @@
 
 #include "linear_tile.h"
 
-using linear_tile::kMR;
 using linear_tile::kNR;
-#ifdef __AVX512F__
-using linear_tile::kTiles;
-#endif
 
 bool linear_available() {
 #ifdef __AVX512F__
@@ -58,20 +54,13 @@ at::Tensor pack_linear_weight(const at::Tensor& w_in) {
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
                   const c10::optional<at::Tensor>& bias) {
 #ifdef __AVX512F__
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
-              "linear: fp32 x [rows, K] with a dense last dim");
+  const float* b = linear_tile::checked_inputs(x, bias, n, "linear");
   const int64_t rows = x.size(0), K = x.size(1), panels = packed.size(0);
   TORCH_CHECK(packed.is_contiguous() && packed.dim() == 3 && packed.size(1) == K &&
               packed.size(2) == kNR && n > (panels - 1) * kNR && n <= panels * kNR,
               "linear: packed weight [panels, K, 48] for ", n, " outputs and K = ", K);
   TORCH_CHECK(reinterpret_cast<uintptr_t>(packed.data_ptr()) % 64 == 0,
               "linear: packed weight must start on a 64-byte boundary (pack_linear_weight's)");
-  const float* b = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
-                "linear: fp32 bias [n]");
-    b = bias->data_ptr<float>();
-  }
   auto out = at::empty({rows, n}, x.options());
   const float* xp = x.data_ptr<float>();
   const float* wp = packed.data_ptr<float>();
@@ -80,12 +69,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
   // panels split over threads; each panel stays in cache while every row tile reads it
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
-      const int64_t n0 = p * kNR, n_valid = std::min(kNR, n - n0);
-      for (int64_t m0 = 0; m0 < rows; m0 += kMR) {
-        const int64_t mr = std::min(kMR, rows - m0);
-        kTiles[mr](xp + m0 * ldx, ldx, wp + p * K * kNR, K, op + m0 * n + n0, n, n_valid,
-                   b ? b + n0 : nullptr);
-      }
+      const int64_t n0 = p * kNR;
+      linear_tile::panel_times_rows(xp, ldx, rows, wp + p * K * kNR, K, op, n, n0,
+                                    std::min(kNR, n - n0), b);
     }
   });
   return out;

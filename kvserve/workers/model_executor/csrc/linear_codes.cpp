@@ -229,29 +229,12 @@ void tile_blocks(const float* x, int64_t ldx, const uint8_t* blocks, int64_t nbl
                  int64_t bytes, float* buffer, float* out, int64_t ldo, int64_t n_valid,
                  const float* bias) {
   __m512 acc[MR][3];
-  for (int m = 0; m < MR; ++m)
-    for (int j = 0; j < 3; ++j) acc[m][j] = _mm512_setzero_ps();
+  linear_tile::zero(acc);
   for (int64_t b = 0; b < nblocks; ++b) {
     decode_block(blocks + b * bytes, bytes, buffer);
-    const float* xb = x + b * kBlock;
-    for (int64_t k = 0; k < kBlock; ++k) {
-      const float* w = buffer + k * kNR;
-      const __m512 w0 = _mm512_load_ps(w), w1 = _mm512_load_ps(w + 16), w2 = _mm512_load_ps(w + 32);
-      for (int m = 0; m < MR; ++m) {
-        const __m512 a = _mm512_set1_ps(xb[m * ldx + k]);
-        acc[m][0] = _mm512_fmadd_ps(a, w0, acc[m][0]);
-        acc[m][1] = _mm512_fmadd_ps(a, w1, acc[m][1]);
-        acc[m][2] = _mm512_fmadd_ps(a, w2, acc[m][2]);
-      }
-    }
+    linear_tile::multiply_add(acc, x + b * kBlock, ldx, buffer, kBlock);
   }
-  for (int j = 0; j < 3; ++j) {
-    const int64_t left = std::clamp<int64_t>(n_valid - 16 * j, 0, 16);
-    const __mmask16 mask = static_cast<__mmask16>((1u << left) - 1u);
-    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + 16 * j) : _mm512_setzero_ps();
-    for (int m = 0; m < MR; ++m)
-      _mm512_mask_storeu_ps(out + m * ldo + 16 * j, mask, _mm512_add_ps(acc[m][j], b));
-  }
+  linear_tile::store(acc, out, ldo, n_valid, bias);
 }
 
 using BlockTileFn = void (*)(const float*, int64_t, const uint8_t*, int64_t, int64_t, float*,
@@ -283,20 +266,13 @@ at::Tensor pack_linear_weight_codes(const at::Tensor& w_in) {
 at::Tensor linear_codes(const at::Tensor& x, const at::Tensor& packed, int64_t n,
                         const c10::optional<at::Tensor>& bias) {
 #ifdef __AVX512F__
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
-              "linear_codes: fp32 x [rows, K] with a dense last dim");
+  const float* b = linear_tile::checked_inputs(x, bias, n, "linear_codes");
   const int64_t rows = x.size(0), K = x.size(1), panels = packed.size(0);
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 3 &&
                   packed.size(1) * kBlock == K &&
                   (packed.size(2) == kBytes4 || packed.size(2) == kBytes8) &&
                   n > (panels - 1) * kNR && n <= panels * kNR,
               "linear_codes: block codes [panels, K / 32, bytes] for ", n, " outputs and K = ", K);
-  const float* b = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
-                "linear_codes: fp32 bias [n]");
-    b = bias->data_ptr<float>();
-  }
   auto out = at::empty({rows, n}, x.options());
   if (rows == 0) return out;  // (a chunk that samples nothing: lm_head gets no rows)
   const float* xp = x.data_ptr<float>();
@@ -315,11 +291,7 @@ at::Tensor linear_codes(const at::Tensor& x, const at::Tensor& packed, int64_t n
       }
       for (int64_t blk = 0; blk < blocks; ++blk)  // many tiles: decode the panel once, in L2
         decode_block(codes + blk * bytes, bytes, panel + blk * kBlock * kNR);
-      for (int64_t m0 = 0; m0 < rows; m0 += kMR) {
-        const int64_t mr = std::min(kMR, rows - m0);
-        linear_tile::kTiles[mr](xp + m0 * ldx, ldx, panel, K, op + m0 * n + n0, n, n_valid,
-                                b ? b + n0 : nullptr);
-      }
+      linear_tile::panel_times_rows(xp, ldx, rows, panel, K, op, n, n0, n_valid, b);
     }
   });
   return out;
