@@ -213,11 +213,12 @@ CODE_BYTES = {"q4_1": 2 * 48 * 4 + 16 * 48, "q8_0": 2 * 48 * 4 + 32 * 48}  # per
 
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
 @pytest.mark.parametrize(("n", "k"), [(48, 64), (50, 32), (960, 576), (130, 1536)])
-@pytest.mark.parametrize("rows", [0, 1, 7, 8, 9, 33])
+@pytest.mark.parametrize("rows", [0, 1, 2, 4, 7, 8, 9, 33])
 def test_block_codes_give_linears_outputs_bit_for_bit(kernels, fmt, n, k, rows):
     """A block-quantized weight packs to codes 5.3x (Q4_1) or 3.6x (Q8_0) smaller than its fp32
-    panels, and `linear_codes` returns `linear`'s output to the last bit: one tile of rows
-    (decoded block by block) or several (the panel decoded once), with a bias."""
+    panels, and `linear_codes` returns `linear`'s output to the last bit: up to 4 rows (decoded
+    in registers), up to 8 (a block at a time into L1) or more (the panel decoded once), with a
+    bias."""
     gen = torch.Generator().manual_seed(n * k + rows)
     w = (q4_1 if fmt == "q4_1" else q8_0)(torch.randn(n, k, generator=gen))
     b, x = torch.randn(n, generator=gen), torch.randn(rows, k, generator=gen)
