@@ -5,7 +5,7 @@
 // as fp32, every weight is still exactly fma(d, q, m) for its block's d and m, so the codes hold
 // the same numbers in 0.75 or 1.125 bytes instead of 4. `pack_linear_weight_codes` finds d, m
 // and q for every block and keeps them only where fma(d, q, m) gives back every fp32 weight bit
-// for bit (a block holding -0, a NaN or an infinity never fits: that weight stays fp32).
+// for bit, compared as bits (a -0 never comes back from fma(d, 0, m): such a weight stays fp32).
 // `linear_codes` decodes the codes into `linear`'s fp32 panel values and runs `linear`'s
 // multiply-add chains over them: for up to 4 rows (decode steps) 16 weights at a time in a
 // register, for up to 8 a block at a time into L1, both with the accumulators in registers, for
