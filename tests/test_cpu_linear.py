@@ -291,6 +291,24 @@ def test_a_block_coded_model_reads_codes_and_computes_what_fp32_panels_do(kernel
         assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
 
 
+@pytest.mark.parametrize("weight_codes", [True, False])
+def test_a_draft_model_packs_as_its_engines_weight_codes_say(kernels, weight_codes):
+    """The draft model of `speculative_method="draft_model"` follows `weight_codes` as the
+    target does: block codes when on, fp32 panels when off."""
+    from kvserve.workers.config import EngineConfig
+    from kvserve.workers.engine import LLMEngine
+
+    target = _block_coded(tiny_checkpoint(**COVERED))
+    draft = _block_coded(tiny_checkpoint(**COVERED))
+    engine = LLMEngine(EngineConfig(device="cpu", kv_cache_memory=4 * 1024**2,
+                                    speculative_method="draft_model", weight_codes=weight_codes),
+                       checkpoint=target, draft_checkpoint=draft)
+    expected = kernels.linear_codes if weight_codes else kernels.linear
+    for model in (engine.model, engine.proposer.runner.model):
+        assert all(m.kernel is expected for m in model.modules() if isinstance(m, Linear))
+    assert engine.proposer.runner.model is not engine.model
+
+
 def test_smollm2s_gguf_weights_all_pack_as_block_codes(kernels, real_checkpoint):
     """The default model's GGUF holds Q4_1 matrices and a Q8_0 embedding: every one packs to
     codes (115 MB a decode step reads instead of 538)."""

@@ -181,7 +181,8 @@ def make_proposer(config: EngineConfig, target: LoadedCheckpoint,
                          f"the target's {vocab_size}; they must share a tokenizer")
     draft = draft or target
     device, dtype, block_size = runner.device, target_spec.dtype, target_spec.block_size
-    model = target_model if draft is target else build_model(draft, device, dtype, cpu_kernels)
+    model = target_model if draft is target else build_model(
+        draft, device, dtype, cpu_kernels, weight_codes=config.weight_codes)
     spec = kv_spec(draft.config, block_size, dtype)
     rope = RotaryEmbedding(draft.config, max_model_len, device, dtype)
     draft_runner = ModelRunner(model, spec, num_blocks, rope, runner.backend, runner.device)
