@@ -184,40 +184,61 @@ float* panel_buffer(int64_t floats) {
       (reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~static_cast<uintptr_t>(63));
 }
 
-// One block's fp32 weights [32, 48] (what pack_linear_weight would have written for its 32
-// inputs), in the order they lie in memory: codes read and weights written sequentially
-void decode_block(const uint8_t* block, int64_t bytes, float* out) {
-  const float* d = reinterpret_cast<const float*>(block);
-  const float* m = d + kNR;
-  const uint8_t* codes = block + kHeader;
-  const __m512 d0 = _mm512_loadu_ps(d), d1 = _mm512_loadu_ps(d + 16), d2 = _mm512_loadu_ps(d + 32);
-  const __m512 m0 = _mm512_loadu_ps(m), m1 = _mm512_loadu_ps(m + 16), m2 = _mm512_loadu_ps(m + 32);
-  auto codes16 = [](const uint8_t* c, bool is_signed) {
-    const __m128i bytes16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));
-    return is_signed ? _mm512_cvtepi8_epi32(bytes16) : _mm512_cvtepu8_epi32(bytes16);
-  };
-  auto decode = [](__m512 dv, __m512i q, __m512 mv) {
-    return _mm512_fmadd_ps(dv, _mm512_cvtepi32_ps(q), mv);
-  };
-  if (bytes == kBytes4) {
-    const __m512i low4 = _mm512_set1_epi32(0xF);
-    for (int64_t i = 0; i < kBlock / 2; ++i, codes += kNR, out += 2 * kNR) {
-      const __m512i c0 = codes16(codes, false), c1 = codes16(codes + 16, false),
-                    c2 = codes16(codes + 32, false);
-      _mm512_store_ps(out, decode(d0, _mm512_and_si512(c0, low4), m0));
-      _mm512_store_ps(out + 16, decode(d1, _mm512_and_si512(c1, low4), m1));
-      _mm512_store_ps(out + 32, decode(d2, _mm512_and_si512(c2, low4), m2));
-      _mm512_store_ps(out + kNR, decode(d0, _mm512_srli_epi32(c0, 4), m0));
-      _mm512_store_ps(out + kNR + 16, decode(d1, _mm512_srli_epi32(c1, 4), m1));
-      _mm512_store_ps(out + kNR + 32, decode(d2, _mm512_srli_epi32(c2, 4), m2));
-    }
-  } else {
-    for (int64_t i = 0; i < kBlock; ++i, codes += kNR, out += kNR) {
-      _mm512_store_ps(out, decode(d0, codes16(codes, true), m0));
-      _mm512_store_ps(out + 16, decode(d1, codes16(codes + 16, true), m1));
-      _mm512_store_ps(out + 32, decode(d2, codes16(codes + 32, true), m2));
+// A block's scales and offsets for its 48 outputs, three vectors each
+struct BlockScales {
+  __m512 d[3], m[3];
+  explicit BlockScales(const uint8_t* block) {
+    const float* dp = reinterpret_cast<const float*>(block);
+    for (int j = 0; j < 3; ++j) {
+      d[j] = _mm512_loadu_ps(dp + 16 * j);
+      m[j] = _mm512_loadu_ps(dp + kNR + 16 * j);
     }
   }
+};
+
+// 16 weights from their codes: fma(d, q, m), the one decode every path runs
+inline __m512 decode16(__m512 d, __m512i q, __m512 m) {
+  return _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(q), m);
+}
+
+inline __m128i load16(const uint8_t* c) {
+  return _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));
+}
+
+// Calls f(k, w) for each input k of a block in order, w its 48 decoded weights (4-bit: each
+// pair of inputs' codes read once)
+template <typename F>
+inline void for_each_input(const uint8_t* block, int64_t bytes, F&& f) {
+  const BlockScales s(block);
+  const uint8_t* codes = block + kHeader;
+  __m512 w[3];
+  if (bytes == kBytes4) {
+    const __m512i low4 = _mm512_set1_epi32(0xF);
+    for (int64_t i = 0; i < kBlock / 2; ++i, codes += kNR) {
+      __m512i c[3];
+      for (int j = 0; j < 3; ++j) {
+        c[j] = _mm512_cvtepu8_epi32(load16(codes + 16 * j));
+        w[j] = decode16(s.d[j], _mm512_and_si512(c[j], low4), s.m[j]);
+      }
+      f(2 * i, w);
+      for (int j = 0; j < 3; ++j) w[j] = decode16(s.d[j], _mm512_srli_epi32(c[j], 4), s.m[j]);
+      f(2 * i + 1, w);
+    }
+  } else {
+    for (int64_t k = 0; k < kBlock; ++k, codes += kNR) {
+      for (int j = 0; j < 3; ++j)
+        w[j] = decode16(s.d[j], _mm512_cvtepi8_epi32(load16(codes + 16 * j)), s.m[j]);
+      f(k, w);
+    }
+  }
+}
+
+// One block's fp32 weights [32, 48] (what pack_linear_weight would have written for its 32
+// inputs), in the order they lie in memory
+void decode_block(const uint8_t* block, int64_t bytes, float* out) {
+  for_each_input(block, bytes, [out](int64_t k, const __m512 (&w)[3]) {
+    for (int j = 0; j < 3; ++j) _mm512_store_ps(out + k * kNR + 16 * j, w[j]);
+  });
 }
 
 // `linear_tile::tile` for one tile of MR <= 8 rows, its panel read as blocks: each block is
@@ -247,46 +268,11 @@ void tile_registers(const float* x, int64_t ldx, const uint8_t* blocks, int64_t 
   static_assert(MR <= 4, "4 rows of accumulators at most");
   __m512 acc[MR][3];
   linear_tile::zero(acc);
-  const __m512i low4 = _mm512_set1_epi32(0xF);
   for (int64_t b = 0; b < nblocks; ++b) {
-    const uint8_t* block = blocks + b * bytes;
-    const float* d = reinterpret_cast<const float*>(block);
-    const float* m = d + kNR;
-    const uint8_t* codes = block + kHeader;
-    const __m512 dv[3] = {_mm512_loadu_ps(d), _mm512_loadu_ps(d + 16), _mm512_loadu_ps(d + 32)};
-    const __m512 mv[3] = {_mm512_loadu_ps(m), _mm512_loadu_ps(m + 16), _mm512_loadu_ps(m + 32)};
     const float* xb = x + b * kBlock;
-    auto multiply_add = [&](const __m512 (&w)[3], int64_t k) {
-      for (int r = 0; r < MR; ++r) {
-        const __m512 a = _mm512_set1_ps(xb[r * ldx + k]);
-        for (int j = 0; j < 3; ++j) acc[r][j] = _mm512_fmadd_ps(a, w[j], acc[r][j]);
-      }
-    };
-    auto load16 = [](const uint8_t* c) {
-      return _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));
-    };
-    if (bytes == kBytes4) {
-      for (int64_t i = 0; i < kBlock / 2; ++i, codes += kNR) {
-        __m512i c[3];
-        __m512 w[3];
-        for (int j = 0; j < 3; ++j) {
-          c[j] = _mm512_cvtepu8_epi32(load16(codes + 16 * j));
-          w[j] = _mm512_fmadd_ps(dv[j], _mm512_cvtepi32_ps(_mm512_and_si512(c[j], low4)), mv[j]);
-        }
-        multiply_add(w, 2 * i);
-        for (int j = 0; j < 3; ++j)
-          w[j] = _mm512_fmadd_ps(dv[j], _mm512_cvtepi32_ps(_mm512_srli_epi32(c[j], 4)), mv[j]);
-        multiply_add(w, 2 * i + 1);
-      }
-    } else {
-      for (int64_t i = 0; i < kBlock; ++i, codes += kNR) {
-        __m512 w[3];
-        for (int j = 0; j < 3; ++j)
-          w[j] = _mm512_fmadd_ps(dv[j], _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                            load16(codes + 16 * j))), mv[j]);
-        multiply_add(w, i);
-      }
-    }
+    for_each_input(blocks + b * bytes, bytes, [&](int64_t k, const __m512 (&w)[3]) {
+      linear_tile::multiply_add_input(acc, xb, ldx, k, w);
+    });
   }
   linear_tile::store(acc, out, ldo, n_valid, bias);
 }

@@ -32,18 +32,24 @@ constexpr int64_t kMR = 8;   // rows per tile: 8 x 3 accumulators fill 24 of the
 
 // acc[m] += x[m, k] * panel[k, :] for k in [0, K), in that order, for MR rows; panel: [K, kNR]
 // (x points at the first input the panel's rows belong to)
+// acc[m] += x[m, k] * w for MR rows: one input's step of every output's chain; w: 48 weights
+template <int MR>
+inline void multiply_add_input(__m512 (&acc)[MR][3], const float* x, int64_t ldx, int64_t k,
+                               const __m512 (&w)[3]) {
+  for (int m = 0; m < MR; ++m) {
+    const __m512 a = _mm512_set1_ps(x[m * ldx + k]);
+    for (int j = 0; j < 3; ++j) acc[m][j] = _mm512_fmadd_ps(a, w[j], acc[m][j]);
+  }
+}
+
 template <int MR>
 inline void multiply_add(__m512 (&acc)[MR][3], const float* x, int64_t ldx,
                          const float* __restrict__ panel, int64_t K) {
   for (int64_t k = 0; k < K; ++k) {
-    const float* w = panel + k * kNR;
-    const __m512 w0 = _mm512_load_ps(w), w1 = _mm512_load_ps(w + 16), w2 = _mm512_load_ps(w + 32);
-    for (int m = 0; m < MR; ++m) {
-      const __m512 a = _mm512_set1_ps(x[m * ldx + k]);
-      acc[m][0] = _mm512_fmadd_ps(a, w0, acc[m][0]);
-      acc[m][1] = _mm512_fmadd_ps(a, w1, acc[m][1]);
-      acc[m][2] = _mm512_fmadd_ps(a, w2, acc[m][2]);
-    }
+    const float* row = panel + k * kNR;
+    const __m512 w[3] = {_mm512_load_ps(row), _mm512_load_ps(row + 16),
+                         _mm512_load_ps(row + 32)};
+    multiply_add_input(acc, x, ldx, k, w);
   }
 }
 
