@@ -13,6 +13,8 @@ from torch.overrides import TorchFunctionMode
 from kvserve.workers.core.sampling_params import SamplingParams
 from kvserve.workers.core.sequence import Sequence
 from kvserve.workers.engine import LLMEngine
+from kvserve.workers.model_executor.loader import LoadedCheckpoint
+from kvserve.workers.model_executor.tiny import tiny_checkpoint
 
 T = TypeVar("T")
 
@@ -33,6 +35,19 @@ def assert_engine_idle(engine: LLMEngine) -> None:
     if host is not None:  # no swapped-out KV left behind: every host block free or cached
         assert len(host.free_ids) + len(host.cached) == host.num_blocks
         assert not host.pinned
+
+
+def noisy_checkpoint(model_type: str, **overrides: Any) -> LoadedCheckpoint:
+    """A tiny random checkpoint whose outputs depend on every tensor: a larger init range than
+    HF's default, and noise on the norm weights and biases (HF initialises those to exactly 1
+    and 0, which would hide a dropped bias or a misloaded norm)."""
+    ckpt = tiny_checkpoint(model_type, seed=0, initializer_range=0.1, **overrides)
+    gen = torch.Generator().manual_seed(1)
+    for name, tensor in ckpt.tensors.items():
+        if name.endswith(".bias") or name.endswith("norm.weight"):
+            noise = torch.randn(tensor.shape, generator=gen) * 0.2
+            ckpt.tensors[name] = tensor + noise
+    return ckpt
 
 
 def output_ids(outputs) -> list[int]:

@@ -18,8 +18,7 @@ from kvserve.workers.config import EngineConfig
 from kvserve.workers.core.outputs import TokenLogprobs
 from kvserve.workers.engine import LLMEngine
 from kvserve.workers.model_executor.loader import LoadedCheckpoint
-from kvserve.workers.model_executor.tiny import tiny_checkpoint
-from tests.helpers import assert_engine_idle, output_ids
+from tests.helpers import assert_engine_idle, noisy_checkpoint, output_ids
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -50,16 +49,6 @@ class Case:
 
 
 
-def _checkpoint(model_type: str, overrides: dict[str, Any]) -> LoadedCheckpoint:
-    ckpt = tiny_checkpoint(model_type, seed=0, initializer_range=0.1, **overrides)
-    gen = torch.Generator().manual_seed(1)
-    for name, tensor in ckpt.tensors.items():
-        if name.endswith(".bias") or name.endswith("norm.weight"):
-            noise = torch.randn(tensor.shape, generator=gen) * 0.2
-            ckpt.tensors[name] = tensor + noise
-    return ckpt
-
-
 def _hf_model(ckpt: LoadedCheckpoint) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
@@ -81,7 +70,7 @@ def _hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> Reference:
 @pytest.fixture(scope="module", params=list(MODELS))
 def case(request: pytest.FixtureRequest) -> Case:
     model_type, overrides = MODELS[request.param]
-    ckpt = _checkpoint(model_type, overrides)
+    ckpt = noisy_checkpoint(model_type, **overrides)
     gen = torch.Generator().manual_seed(2)
     vocab = ckpt.config.vocab_size
     prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in PROMPT_LENS]

@@ -30,7 +30,12 @@ def flag_names(spec: EngineSetting) -> list[str]:
     names = ["--" + spec.name.replace("_", "-")]
     if spec.base_type is bool and spec.name.startswith("enable_"):
         names.append("--" + spec.name.removeprefix("enable_").replace("_", "-"))
+    names += SHORT_FLAGS.get(spec.name, [])
     return names
+
+
+# vLLM's short forms
+SHORT_FLAGS = {"tensor_parallel_size": ["-tp"]}
 
 
 def add_engine_args(parser: argparse.ArgumentParser, entry_point: str | None = None, *,

@@ -306,6 +306,7 @@ class AsyncLLMEngine:
         for request_id in self.engine.request_ids():
             self.engine.abort(request_id)
         self._executor.shutdown(wait=True)
+        self.engine.shutdown()  # tensor-parallel ranks, if any
 
 
 def unobserved(stream: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:

@@ -45,8 +45,11 @@ from kvserve.workers.model_executor.loader import (
     with_rope_override,
 )
 from kvserve.workers.model_executor.model import CausalLM, onednn_available
-from kvserve.workers.model_executor.model_runner import ModelRunner
+from kvserve.workers.model_executor.model_runner import ModelRunner, StepSender
 from kvserve.workers.model_executor.rope import RotaryEmbedding
+from kvserve.workers.parallel.group import TPGroup
+from kvserve.workers.parallel.ranks import Followers, RankLauncher, start_followers
+from kvserve.workers.parallel.shard import check_divisible, head_dim
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +69,7 @@ class ModelInfo:
     num_blocks: int
     num_host_blocks: int
     cuda_graph_sizes: tuple[int, ...] = ()  # decode batch sizes replayed from CUDA graphs
+    tensor_parallel_size: int = 1  # ranks the model is split over (`kvserve.workers.parallel`)
 
 
 class Proposer(Protocol):
@@ -97,12 +101,15 @@ class EngineParts:
     bytes_per_block: int
     info: ModelInfo
     cpu_kernels: CpuKernels | None  # kvserve's C++ kernels (fp32 and bf16 on a CPU), else None
+    followers: Followers | None = None  # tensor_parallel_size > 1: the other ranks
 
 
 def build_engine_parts(config: EngineConfig, checkpoint: LoadedCheckpoint | None = None,
-                       draft_checkpoint: LoadedCheckpoint | None = None) -> EngineParts:
+                       draft_checkpoint: LoadedCheckpoint | None = None,
+                       rank_launcher: RankLauncher | None = None) -> EngineParts:
     """The parts for `config`; `checkpoint` replaces loading `config.model`, and
-    `draft_checkpoint` loading `config.draft_model`."""
+    `draft_checkpoint` loading `config.draft_model`; `rank_launcher` starts the tensor-parallel
+    ranks 1..N-1 (local processes by default; a Serve replica's are Ray actors)."""
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     device = resolve_device(config.device)
@@ -118,28 +125,21 @@ def build_engine_parts(config: EngineConfig, checkpoint: LoadedCheckpoint | None
     finally:
         pool.shutdown(wait=False)  # a missing model is reported without waiting for a build
     cpu_kernels = kernels.result()
-    max_model_len = model_len(config, ckpt.config)
-    backend_name = resolve_backend_name(config.attention_backend, device)
-    model = build_model(ckpt, device, dtype, cpu_kernels, triton=backend_name == "triton",
-                        weight_codes=config.weight_codes)
-    # the decode attention kernel runs fp32 and bf16: other dtypes take the torch backend
-    attention_kernels = cpu_kernels if dtype in (torch.float32, torch.bfloat16) else None
-    backend = make_backend(backend_name, attention_kernels)
-    block_size = resolve_block_size(config.block_size, backend, dtype)
-    spec = kv_spec(ckpt.config, block_size, dtype)
-    graphs = uses_graphs(config, device, backend)
-    graph_bytes = graph_bytes_for(config, ckpt.config, spec, max_model_len) if graphs else 0
-    num_blocks = config.num_kv_blocks or spec.num_blocks_for(kv_budget(config, device, graph_bytes))
-    if num_blocks < 1:
-        raise ValueError("kv_cache_memory is smaller than one KV block")
-    num_host_blocks = config.num_host_kv_blocks
-    if num_host_blocks is None:
-        num_host_blocks = spec.num_blocks_for(config.cpu_offload_memory)
-    rope = RotaryEmbedding(ckpt.config, max_model_len, device, dtype)
-    runner = ModelRunner(model, spec, num_blocks, rope, backend, device, num_host_blocks)
-    if graphs:  # captured before any request: at a replica's start, before it is ready
-        runner.enable_decode_graphs(graph_batch_sizes(config.max_num_seqs), max_model_len,
-                                    capture=True)
+    followers = None
+    if config.tensor_parallel_size > 1:  # ranks 1..N-1 start loading while rank 0 does
+        check_divisible(ckpt.config, config.tensor_parallel_size, config.model or DEFAULT_MODEL)
+        followers = start_followers(config, ckpt, device, rank_launcher)
+    try:
+        rank = build_rank(config, ckpt, device, dtype, cpu_kernels,
+                          followers.group if followers else None, followers)
+    except BaseException:
+        if followers is not None:
+            followers.close()
+        raise
+    runner, spec, num_blocks, num_host_blocks = (rank.runner, rank.spec, rank.num_blocks,
+                                                 rank.num_host_blocks)
+    max_model_len, block_size, backend = rank.max_model_len, spec.block_size, runner.backend
+    model = runner.model
     kv_events = KVEvents()  # the cluster turns it on to report to its cache manager
     host = HostBlockPool(num_host_blocks, kv_events) if num_host_blocks else None
     block_manager = BlockManager(num_blocks, block_size,
@@ -154,12 +154,59 @@ def build_engine_parts(config: EngineConfig, checkpoint: LoadedCheckpoint | None
         dtype=str(dtype).removeprefix("torch."), device=str(device),
         attention_backend=backend.name, block_size=block_size, num_blocks=num_blocks,
         num_host_blocks=num_host_blocks,
-        cuda_graph_sizes=tuple(runner.graphs.sizes) if runner.graphs else ())
+        cuda_graph_sizes=tuple(runner.graphs.sizes) if runner.graphs else (),
+        tensor_parallel_size=config.tensor_parallel_size)
     proposer = make_proposer(config, ckpt, draft_checkpoint, model, runner, cpu_kernels, spec,
                              num_blocks, max_model_len)
     return EngineParts(ckpt, device, dtype, max_model_len, runner, block_manager,
                        scheduler, kv_events, proposer, eos, spec.bytes_per_block, info,
-                       cpu_kernels)
+                       cpu_kernels, followers)
+
+
+@dataclass
+class RankParts:
+    """What each rank of an engine steps with: rank 0's model runner, or a tp group's other
+    ranks' (the same model over another slice, the same number of blocks)."""
+
+    runner: ModelRunner
+    spec: KVCacheSpec  # this rank's: its KV heads
+    num_blocks: int
+    num_host_blocks: int
+    max_model_len: int
+
+
+def build_rank(config: EngineConfig, ckpt: LoadedCheckpoint, device: torch.device,
+               dtype: torch.dtype, cpu_kernels: CpuKernels | None, tp: TPGroup | None = None,
+               followers: StepSender | None = None) -> RankParts:
+    """The model, KV pool and runner of one rank (`tp`: its group; every rank runs this, in
+    step, since the pool's size is agreed by a collective). `followers`: rank 0's link to the
+    others."""
+    max_model_len = model_len(config, ckpt.config)
+    backend_name = resolve_backend_name(config.attention_backend, device)
+    model = build_model(ckpt, device, dtype, cpu_kernels, triton=backend_name == "triton",
+                        weight_codes=config.weight_codes, tp=tp)
+    # the decode attention kernel runs fp32 and bf16: other dtypes take the torch backend
+    attention_kernels = cpu_kernels if dtype in (torch.float32, torch.bfloat16) else None
+    backend = make_backend(backend_name, attention_kernels)
+    block_size = resolve_block_size(config.block_size, backend, dtype)
+    spec = kv_spec(ckpt.config, block_size, dtype, tp.size if tp else 1)
+    graphs = uses_graphs(config, device, backend)
+    graph_bytes = graph_bytes_for(config, ckpt.config, spec, max_model_len) if graphs else 0
+    num_blocks = config.num_kv_blocks or spec.num_blocks_for(kv_budget(config, device, graph_bytes))
+    num_host_blocks = config.num_host_kv_blocks
+    if num_host_blocks is None:
+        num_host_blocks = spec.num_blocks_for(config.cpu_offload_memory)
+    if tp is not None:  # block ids mean the same on every rank: as many as the fewest hold
+        num_blocks, num_host_blocks = tp.min_int(num_blocks), tp.min_int(num_host_blocks)
+    if num_blocks < 1:
+        raise ValueError("kv_cache_memory is smaller than one KV block")
+    rope = RotaryEmbedding(ckpt.config, max_model_len, device, dtype)
+    runner = ModelRunner(model, spec, num_blocks, rope, backend, device, num_host_blocks,
+                         followers)
+    if graphs:  # captured before any request: at a replica's start, before it is ready
+        runner.enable_decode_graphs(graph_batch_sizes(config.max_num_seqs), max_model_len,
+                                    capture=True)
+    return RankParts(runner, spec, num_blocks, num_host_blocks, max_model_len)
 
 
 def make_proposer(config: EngineConfig, target: LoadedCheckpoint,
@@ -181,7 +228,8 @@ def make_proposer(config: EngineConfig, target: LoadedCheckpoint,
                          f"the target's {vocab_size}; they must share a tokenizer")
     draft = draft or target
     device, dtype, block_size = runner.device, target_spec.dtype, target_spec.block_size
-    model = target_model if draft is target else build_model(
+    # under tp the draft runs whole on rank 0 (the target's weights are split)
+    model = target_model if draft is target and target_model.tp is None else build_model(
         draft, device, dtype, cpu_kernels, weight_codes=config.weight_codes)
     spec = kv_spec(draft.config, block_size, dtype)
     rope = RotaryEmbedding(draft.config, max_model_len, device, dtype)
@@ -249,15 +297,17 @@ def cpu_kernels_for(device: torch.device, dtype: torch.dtype) -> CpuKernels | No
 def build_model(
     ckpt: LoadedCheckpoint, device: torch.device, dtype: torch.dtype,
     cpu_kernels: CpuKernels | None, triton: bool = False, weight_codes: bool = True,
+    tp: TPGroup | None = None,
 ) -> CausalLM:
     """The model in `dtype` on `device`; `triton`: with its Triton kernels (the triton
     attention backend's model, `CausalLM.use_triton_kernels`); `weight_codes`: fp32 projections
-    read block codes where they give back the weights exactly (`Linear.pack_for_kernels`)."""
+    read block codes where they give back the weights exactly (`Linear.pack_for_kernels`);
+    `tp`: this rank's slice of it (`kvserve.workers.parallel.shard`)."""
     key = (device, dtype, cpu_kernels is not None, triton, weight_codes)
-    if key in ckpt.models:  # another engine in this process built it from these tensors
+    if tp is None and key in ckpt.models:  # another engine in this process built it
         return ckpt.models[key]
     with torch.device("meta"):
-        model = CausalLM(ckpt.config)
+        model = CausalLM(ckpt.config, tp)
     model = materialize(model, device, dtype)
     if ckpt.config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
@@ -268,7 +318,9 @@ def build_model(
         model.use_cpu_kernels(cpu_kernels, weight_codes)
     if device.type == "cpu" and onednn_available(dtype):
         model.use_onednn_matmuls()
-    ckpt.models[key] = model = model.eval()
+    model = model.eval()
+    if tp is None:  # a rank's model holds its group: it is that engine's alone
+        ckpt.models[key] = model
     return model
 
 
@@ -287,11 +339,10 @@ def materialize(model: torch.nn.Module, device: torch.device,
     return model
 
 
-def kv_spec(config, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return KVCacheSpec(
-        config.num_hidden_layers, config.num_key_value_heads, head_dim, block_size, dtype
-    )
+def kv_spec(config, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> KVCacheSpec:
+    """The KV pool's block shape; under tp each rank holds its KV heads of every block."""
+    return KVCacheSpec(config.num_hidden_layers, config.num_key_value_heads // tp_size,
+                       head_dim(config), block_size, dtype)
 
 
 def kv_budget(config: EngineConfig, device: torch.device, graph_bytes: int = 0) -> int:

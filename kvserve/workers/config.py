@@ -138,7 +138,15 @@ class EngineConfig:
     rope_parameters: dict[str, Any] | None = setting(
         None, "RoPE override with transformers' rope_parameters keys, e.g. "
               '{"rope_type": "yarn", "factor": 4.0}')
-    num_threads: int | None = setting(None, "CPU torch threads; None or 0: torch's default")
+    num_threads: int | None = setting(
+        None, "CPU torch threads (of each rank under tensor parallelism); None or 0: torch's "
+              "default (tensor parallelism on a CPU: the cores shared among the ranks)")
+    tensor_parallel_size: int = setting(
+        1, "ranks the model is split over (Megatron-style: attention by heads, the MLP by "
+           "columns, the vocabulary by rows, one all-reduce after each block); each rank is a "
+           "GPU on CUDA (NCCL), a process on a CPU (gloo). It must divide the model's attention "
+           "heads, KV heads, vocabulary and MLP width. A Serve replica reserves a placement "
+           "group of this many bundles", gt=0)
     timeline_steps: int = setting(
         2048, "engine steps the step recorder keeps (a ring buffer read by `kvserve trace` and "
               "per-request timelines); 0 turns the recorder off, requests' timelines too", ge=0)

@@ -51,6 +51,7 @@ from kvserve.workers.model_executor.loader import LoadedCheckpoint
 from kvserve.workers.model_executor.model_runner import ForwardView
 from kvserve.workers.model_executor.rejection_sampler import Verified, sample_and_verify
 from kvserve.workers.output_processor import OutputProcessor
+from kvserve.workers.parallel.ranks import RankLauncher
 from kvserve.workers.step_recorder import PhaseClock, StepRecorder
 from kvserve.workers.structured_output import StructuredOutputManager
 
@@ -75,16 +76,19 @@ class LLMEngine:
     def __init__(
         self, config: EngineConfig | None = None, checkpoint: LoadedCheckpoint | None = None,
         draft_checkpoint: LoadedCheckpoint | None = None,
+        rank_launcher: RankLauncher | None = None,
     ) -> None:
         """`checkpoint` (e.g. `tiny.tiny_checkpoint()`) replaces loading `config.model`, and
-        `draft_checkpoint` loading `config.draft_model` (speculative_method draft_model)."""
+        `draft_checkpoint` loading `config.draft_model` (speculative_method draft_model);
+        `rank_launcher` starts tensor-parallel ranks 1..N-1 (default: local processes)."""
         self.config = config = config or EngineConfig()
-        parts = build_engine_parts(config, checkpoint, draft_checkpoint)
+        parts = build_engine_parts(config, checkpoint, draft_checkpoint, rank_launcher)
         ckpt = parts.checkpoint
         self.hf_config, self.tokenizer, self.model_path = ckpt.config, ckpt.tokenizer, ckpt.path
         self.vocab_size = ckpt.config.vocab_size
         self.device, self.dtype, self.max_model_len = parts.device, parts.dtype, parts.max_model_len
         self.runner, self.proposer = parts.runner, parts.proposer
+        self.followers = parts.followers  # the other tensor-parallel ranks, if any
         self.model = parts.runner.model
         self.block_manager, self.scheduler = parts.block_manager, parts.scheduler
         self.kv_events = parts.kv_events  # the cluster turns it on to report to its cache manager
@@ -108,6 +112,16 @@ class LLMEngine:
     @property
     def info(self) -> ModelInfo:
         return self._info
+
+    def rank_pids(self) -> list[int]:
+        """The processes of tensor-parallel ranks 1..N-1 (none without tp)."""
+        return self.followers.pids() if self.followers else []
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel ranks, if any (their processes end). Idempotent; the engine
+        cannot step afterwards. An engine without tp holds nothing to stop."""
+        if self.followers is not None:
+            self.followers.close()
 
     @property
     def history(self) -> StepHistory:

@@ -3,6 +3,12 @@
 Weights come straight from the checkpoint's tensors; q/k/v and gate/up are fused into one matmul
 each, which keeps the per-layer op count (and so Python overhead per step) small. Every op follows
 transformers' Llama code in the same order and dtype so greedy output matches `generate()`.
+
+With a tensor-parallel group (`tp`) each rank builds the same model over its slice
+(nano-vllm's and Megatron's split, `kvserve.workers.parallel.shard`): the embedding and the LM
+head by vocabulary, q/k/v by heads and gate/up by columns, o_proj and down_proj by rows with one
+all-reduce each; norms and RoPE whole on every rank. The kernels run unchanged on the local
+sizes.
 """
 
 from __future__ import annotations
@@ -24,9 +30,12 @@ from kvserve.workers.model_executor.cpu_kernels import (
     linear_available_for,
 )
 from kvserve.workers.model_executor.rope import rotate
+from kvserve.workers.parallel import shard
 
 if TYPE_CHECKING:  # (transformers is imported to load a checkpoint, not with the model)
     from transformers import PretrainedConfig
+
+    from kvserve.workers.parallel.group import TPGroup
 
 
 @functools.cache
@@ -142,11 +151,14 @@ class Attention(nn.Module):
     kernels: CpuKernels | None = None  # cpu_kernels, in fp32 and bf16 on CPUs
     triton_ops: ModuleType | None = None  # triton_ops, with the triton attention backend
 
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.tp = tp
+        size = tp.size if tp else 1
+        # this rank's heads (all of them without tp)
+        self.num_heads = config.num_attention_heads // size
+        self.num_kv_heads = config.num_key_value_heads // size
+        self.head_dim = shard.head_dim(config)
         self.scale = self.head_dim**-0.5
         bias = getattr(config, "attention_bias", False) or config.model_type == "qwen2"
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -173,7 +185,7 @@ class Attention(nn.Module):
                                              kv[0], kv[1], meta.slot_mapping)
             q, k, v = qkv.split((self.num_heads, self.num_kv_heads, self.num_kv_heads), dim=1)
             out = backend.attend(q, k, v, kv[0], kv[1], meta, self.scale)
-            return self.o_proj(out.reshape(tokens, -1))
+            return self._project_out(out.reshape(tokens, -1))
         if self.kernels is not None:  # q and k rotated in place, one pass
             self.kernels.rotary_(qkv, rotated, cos, sin)
             qk = qkv[:, :rotated]
@@ -182,7 +194,13 @@ class Attention(nn.Module):
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         v = qkv[:, rotated:]
         out = backend(q, k, v, kv[0], kv[1], meta, self.scale)  # [tokens, heads, head_dim]
-        return self.o_proj(out.reshape(tokens, -1))
+        return self._project_out(out.reshape(tokens, -1))
+
+    def _project_out(self, out: torch.Tensor) -> torch.Tensor:
+        """out: [tokens, heads * head_dim] -> [tokens, hidden]; under tp each rank's heads give
+        a partial sum (o_proj is split by its input rows), summed over the ranks."""
+        out = self.o_proj(out)
+        return self.tp.all_reduce(out) if self.tp else out
 
 
 class MLP(nn.Module):
@@ -190,9 +208,10 @@ class MLP(nn.Module):
     # with the triton backend; None: torch's ops
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor] | None = None
 
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
-        self.intermediate = config.intermediate_size
+        self.tp = tp
+        self.intermediate = config.intermediate_size // (tp.size if tp else 1)  # this rank's
         bias = getattr(config, "mlp_bias", False)
         self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate, bias=bias)
         self.down_proj = Linear(self.intermediate, config.hidden_size, bias=bias)
@@ -200,18 +219,20 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if self.silu_and_mul is not None:
-            return self.down_proj(self.silu_and_mul(gate_up))
-        gate, up = gate_up.split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+            out = self.down_proj(self.silu_and_mul(gate_up))
+        else:
+            gate, up = gate_up.split(self.intermediate, dim=-1)
+            out = self.down_proj(F.silu(gate) * up)
+        return self.tp.all_reduce(out) if self.tp else out  # down_proj's partial sums
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, tp)
 
     def forward(self, h, cos, sin, kv, meta, backend) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv, meta, backend)
@@ -233,18 +254,22 @@ class CausalLM(nn.Module):
     triton_ops: ModuleType | None = None  # triton_ops: every layer's norms and RoPE in Triton
     decode_weights: list[list[torch.Tensor]]  # per layer, as `DecoderLayer.decode_weights`
 
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.config = config
+        self.tp = tp
+        shard.check_divisible(config, tp.size if tp else 1)
+        # this rank's vocabulary rows: [vocab_start, vocab_start + vocab)
+        self.vocab, self.vocab_start = shard.vocab_range(config, tp)
         # an uninitialised weight (`_weight`): the checkpoint overwrites it, and initialising
         # it on the meta device (`_build_model`) runs torch's Python `normal_`, whose first
         # call imports torch._dynamo (0.65 CPU-s of every engine process's start)
         self.embed_tokens = nn.Embedding(
-            config.vocab_size, config.hidden_size,
-            _weight=torch.empty(config.vocab_size, config.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+            self.vocab, config.hidden_size, _weight=torch.empty(self.vocab, config.hidden_size))
+        self.layers = nn.ModuleList(DecoderLayer(config, tp)
+                                    for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, self.vocab, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.requires_grad_(False)
@@ -259,7 +284,7 @@ class CausalLM(nn.Module):
         backend,
     ) -> torch.Tensor:
         """input_ids: [tokens] -> hidden states [tokens, hidden] (final norm not applied)."""
-        h = self.embed_tokens(input_ids)
+        h = self.embed(input_ids)
         if self.decode_kernels is not None and backend.name == "cpu" and not meta.prefills:
             return self._decode_in_kernels(h, cos, sin, kv_cache, meta)
         if self.triton_ops is not None:
@@ -299,9 +324,25 @@ class CausalLM(nn.Module):
                 meta.decode_block_tables, meta.decode_context_lens, attn.scale, eps)
         return h
 
-    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
-        """h: [rows, hidden] -> fp32 logits [rows, vocab]."""
-        return self.lm_head(self.norm(h)).float()
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids: [tokens] -> [tokens, hidden]. Under tp each rank looks up the ids in its
+        vocabulary slice, zeros elsewhere, and the sum over the ranks is every row exactly (one
+        rank's row plus zeros)."""
+        if self.tp is None:
+            return self.embed_tokens(input_ids)
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.vocab)
+        h = self.embed_tokens(local.masked_fill(outside, 0))
+        return self.tp.all_reduce(h.masked_fill_(outside[:, None], 0.0))
+
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor | None:
+        """h: [rows, hidden] -> fp32 logits [rows, vocab]. Under tp each rank computes its
+        vocabulary slice's, and rank 0 gets them all (in rank order: the vocabulary's); the
+        other ranks get None."""
+        logits = self.lm_head(self.norm(h)).float()
+        if self.tp is None:
+            return logits
+        return self.tp.gather_last_dim(logits)
 
     def use_onednn_matmuls(self) -> None:
         """CPU only: route the projections `use_cpu_kernels` did not take through oneDNN,
@@ -330,7 +371,10 @@ class CausalLM(nn.Module):
                 if isinstance(module, Linear):
                     module.pack_for_kernels(kernels, weight_codes)
         attn = self.layers[0].self_attn
-        if (linear_available_for(kernels, dtype) and elementwise_available_for(kernels, dtype)
+        # a layer per C++ call has no place for tp's all-reduces: under tp, decode steps run
+        # the same kernels op by op
+        if (self.tp is None and linear_available_for(kernels, dtype)
+                and elementwise_available_for(kernels, dtype)
                 and CPUAttention.covers_shape(dtype, attn.num_heads, attn.num_kv_heads,
                                               attn.head_dim)):
             self.decode_kernels = kernels
@@ -359,6 +403,8 @@ class CausalLM(nn.Module):
         which costs more than reading it (~1.3 s for SmolLM2's 540 MB on a VM whose first
         touch of a page costs ~15 us); the fused and packed weights are new tensors anyway."""
         own = dict(self.named_parameters())
+        if self.tp is not None:  # this rank's slice of each tensor, before q/k/v are fused
+            tensors = shard.slice_checkpoint(tensors, self.tp.rank, self.tp.size)
         for i in range(len(self.layers)):
             pre = f"model.layers.{i}."
             _fuse(tensors, pre + "self_attn.", ("q_proj", "k_proj", "v_proj"), "qkv_proj")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -17,8 +18,25 @@ from kvserve.workers.model_executor.model import CausalLM
 from kvserve.workers.model_executor.rope import RopeSpan, RotaryEmbedding
 
 
+@dataclass(frozen=True)
+class StepPlan:
+    """One step's batch as host lists: everything a rank needs to build the step's tensors
+    (`ModelRunner.inputs`) and nothing of the requests behind it. Under tensor parallelism
+    rank 0 sends it to the other ranks, one message per step, and each builds the same
+    tensors from it."""
+
+    input_ids: list[int]  # [tokens]
+    positions: list[int]  # [tokens]
+    slots: list[int]  # [tokens]: the cache slot each token's K/V goes to
+    decodes: list[tuple[list[int], int]]  # per decode row: (block table, context length)
+    prefills: list[tuple[list[int], int, int]]  # per chunk: (block table, tokens, context)
+    logits_rows: list[int]  # the rows whose logits are sampled
+    rope_spans: list[RopeSpan]  # each chunk's start, size and prompt length
+
+
 @dataclass
 class ModelInput:
+    plan: StepPlan
     input_ids: torch.Tensor  # [tokens] long
     positions: torch.Tensor  # [tokens] long
     rope_spans: list[RopeSpan]  # each chunk's start, size and prompt length (host ints)
@@ -26,6 +44,7 @@ class ModelInput:
     # [logit rows] long: the last row of each chunk that samples; every row of a chunk with
     # speculative drafts (one per draft, and one more)
     logits_rows: torch.Tensor
+    # rank 0: the chunks behind the rows (empty on the other ranks of a tp group)
     sampling: list[ScheduledChunk]  # in the order of logits_rows
     chunks: list[ScheduledChunk]  # in row order: decodes first, then prefill chunks
 
@@ -49,12 +68,27 @@ class ForwardView:
     sampling_ids: tuple[str, ...]  # the requests of the logits rows, in order
 
 
+class StepSender(Protocol):
+    """Rank 0's link to the other ranks of a tensor-parallel group
+    (`kvserve.workers.parallel.ranks.Followers`): each KV copy and each step goes to them
+    before rank 0 runs it."""
+
+    def send_copy(self, plan: KVCopyPlan) -> None: ...
+
+    def copies_done(self) -> None: ...
+
+    def send_step(self, plan: StepPlan) -> None: ...
+
+
 class ModelRunner:
     def __init__(
         self, model: CausalLM, spec: KVCacheSpec, num_blocks: int, rope: RotaryEmbedding,
         backend, device: torch.device, num_host_blocks: int = 0,
+        followers: StepSender | None = None,
     ) -> None:
+        """`followers`: rank 0 of a tp group sends them every copy and step first."""
         self.model = model
+        self.followers = followers
         self.block_size = spec.block_size
         self.kv_cache = allocate_kv_cache(spec, num_blocks, device)
         self.host_kv_cache = allocate_kv_cache(
@@ -90,17 +124,28 @@ class ModelRunner:
         """Run a step's KV copies: device->host first (their device blocks may be reused by
         this step), then host->device. On CUDA they are asynchronous; the model's stream (the
         current one) waits for them on the device, and device->host data reaches
-        `host_kv_cache` later (`self.copier.flush()` before reading it directly)."""
+        `host_kv_cache` later (`self.copier.flush()` before reading it directly). Under tp,
+        every rank copies the same blocks (its heads of them), and this returns once all
+        have."""
+        if self.followers is not None:
+            self.followers.send_copy(plan)
         self.copier.copy(plan)
+        if self.followers is not None:
+            self.followers.copies_done()
 
     @torch.inference_mode()
-    def forward(self, inp: ModelInput) -> torch.Tensor:
-        """The model over a prepared step: logits [sampling chunks, vocab] (`inp.sampling`)."""
+    def forward(self, inp: ModelInput) -> torch.Tensor | None:
+        """The model over a prepared step: logits [sampling chunks, vocab] (`inp.sampling`);
+        None on a tp group's other ranks."""
+        if self.followers is not None:
+            self.followers.send_step(inp.plan)
         cos, sin = self.rope.lookup(inp.positions, inp.rope_spans)
         if self.graphs is not None and self.graphs.covers(inp.meta):
             hidden = self.graphs.run(inp.input_ids, cos, sin, inp.meta)
         else:
             hidden = self.model(inp.input_ids, cos, sin, self.kv_cache, inp.meta, self.backend)
+        if not inp.plan.logits_rows and self.model.tp is not None:  # no gather of 0 rows
+            return hidden.new_empty(0, self.model.config.vocab_size, dtype=torch.float32)
         return self.model.compute_logits(hidden[inp.logits_rows])
 
     def prepare(self, chunks: list[ScheduledChunk]) -> ModelInput:
@@ -128,17 +173,28 @@ class ModelRunner:
             if chunk.samples:
                 rows += range(len(ids) - 1 - len(chunk.drafts), len(ids))
                 sampling.append(chunk)
-        meta, (input_ids, pos, logits_rows) = attention_metadata.build(
-            self.device, slots,
+        plan = StepPlan(
+            input_ids=ids, positions=positions, slots=slots,
             decodes=[(c.seq.block_table, c.start + 1 + j) for c in decodes
                      for j in range(c.num_tokens)],
             prefills=[(c.seq.block_table, c.num_tokens, c.start + c.num_tokens) for c in prefills],
-            block_size=self.block_size, extra=[ids, positions, rows],
+            logits_rows=rows,
+            rope_spans=[RopeSpan(c.start, c.num_tokens, c.seq.num_prompt_tokens) for c in ordered],
+        )
+        return self.inputs(plan, sampling, ordered)
+
+    def inputs(self, plan: StepPlan, sampling: list[ScheduledChunk] | None = None,
+               chunks: list[ScheduledChunk] | None = None) -> ModelInput:
+        """The step's tensors from its plan (`prepare` on rank 0; the other ranks of a tp group
+        from the plan rank 0 sent)."""
+        meta, (input_ids, pos, logits_rows) = attention_metadata.build(
+            self.device, plan.slots, decodes=plan.decodes, prefills=plan.prefills,
+            block_size=self.block_size,
+            extra=[plan.input_ids, plan.positions, plan.logits_rows],
         )
         return ModelInput(
-            input_ids=input_ids, positions=pos,
-            rope_spans=[RopeSpan(c.start, c.num_tokens, c.seq.num_prompt_tokens) for c in ordered],
-            meta=meta, logits_rows=logits_rows, sampling=sampling, chunks=ordered,
+            plan=plan, input_ids=input_ids, positions=pos, rope_spans=plan.rope_spans,
+            meta=meta, logits_rows=logits_rows, sampling=sampling or [], chunks=chunks or [],
         )
 
     def view(self, inp: ModelInput, logits: torch.Tensor) -> ForwardView:
