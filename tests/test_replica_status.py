@@ -24,14 +24,14 @@ def row(replica_id: str = "r1", updated_at: float = 1000.0, **kw) -> ReplicaStat
 
 def test_json_round_trip_keeps_every_field():
     r = row(kv_cache_usage=0.125, rss_bytes=512 * 1024**2, node_id="n1", gpu_ids=["0"],
-            device="cpu", kv_pool_bytes=64 * 1024**2)
+            device="cpu", kv_pool_bytes=64 * 1024**2, rank_pids=[43, 44])
     data = r.to_json()
     assert isinstance(data, bytes)
     assert ReplicaStatus.from_json(data) == r
     assert ReplicaStatus.from_json(data.decode()) == r
     assert set(json.loads(data)) == {"replica_id", "pid", "node_ip", "running", "waiting",
                                      "kv_cache_usage", "updated_at", "rss_bytes", "node_id",
-                                     "gpu_ids", "device", "kv_pool_bytes"}
+                                     "gpu_ids", "device", "kv_pool_bytes", "rank_pids"}
 
 
 def test_parse_rows_skips_missing_and_malformed_values():
@@ -123,7 +123,7 @@ def test_status_table_shows_every_replica_and_dashes_for_missing_rows():
              "node_ip": "x", "node_id": "0f3a9c1e77d2", "gpu_ids": ["0"],
              "running": 3, "waiting": 0, "kv_cache_usage": 0.1234,
              "updated_at": 1.0, "kv_host_usage": 0.5, "kv_cached_blocks": 7,
-             "prefix_cache_hit_rate": 0.921, "rss_mib": 905},
+             "prefix_cache_hit_rate": 0.921, "rss_mib": 905, "rank_pids": [21, 22]},
             {"replica_id": "bbbb", "deployment": "Generation", "state": "RUNNING", "pid": 12,
              "node_ip": "x", "running": None, "waiting": None, "kv_cache_usage": None,
              "updated_at": None},
@@ -134,14 +134,14 @@ def test_status_table_shows_every_replica_and_dashes_for_missing_rows():
     assert "deployment Generation: HEALTHY (RUNNING=2; target 2)" in text
     lines = text.splitlines()
     header = next(line for line in lines if line.startswith("REPLICA"))
-    assert header.split() == ["REPLICA", "PID", "NODE", "GPU", "STATE", "RUNNING", "WAITING",
-                              "KV", "%", "HOST", "KV", "%", "CACHED", "PREFIX", "HIT", "%",
-                              "RSS", "MiB"]
+    assert header.split() == ["REPLICA", "PID", "TP", "RANK", "PIDS", "NODE", "GPU", "STATE",
+                              "RUNNING", "WAITING", "KV", "%", "HOST", "KV", "%", "CACHED",
+                              "PREFIX", "HIT", "%", "RSS", "MiB"]
     a = next(line for line in lines if line.startswith("aaaa")).split()
     b = next(line for line in lines if line.startswith("bbbb")).split()
-    assert a == ["aaaa", "11", "0f3a9c1e", "0", "RUNNING", "3", "0", "12.3", "50.0", "7",
-                 "92.1", "905"]
-    assert b == ["bbbb", "12", "-", "-", "RUNNING", "-", "-", "-", "-", "-", "-", "-"]
+    assert a == ["aaaa", "11", "1:21,2:22", "0f3a9c1e", "0", "RUNNING", "3", "0", "12.3",
+                 "50.0", "7", "92.1", "905"]
+    assert b == ["bbbb", "12", "-", "-", "-", "RUNNING", "-", "-", "-", "-", "-", "-", "-"]
 
 
 def test_up_state_file_round_trip(tmp_path, monkeypatch):

@@ -105,6 +105,8 @@ def get_or_start(deployment: str, redis_url: str | None = None,
     return CacheManagerActor.options(
         name=manager_name(deployment), namespace=MANAGER_NAMESPACE, lifetime="detached",
         get_if_exists=True, resources=resources or {},
+        # not in the placement group of the replica starting it (a tensor-parallel one's)
+        scheduling_strategy="DEFAULT",
     ).remote(deployment, redis_url, lease_ttl_s)
 
 

@@ -84,6 +84,9 @@ def collect_status(app_name: str = APP_NAME) -> dict[str, Any] | None:
                 "replica_id": r.replica_id, "deployment": name, "state": str(r.state.value),
                 "pid": r.pid, "node_ip": r.node_ip, "node_id": r.node_id,
                 "gpu_ids": row.gpu_ids if row else None, "device": row.device if row else None,
+                # tensor parallelism: rank 0 is the replica's process, ranks 1.. these
+                "tensor_parallel_size": 1 + len(row.rank_pids) if row else None,
+                "rank_pids": row.rank_pids if row else None,
                 "running": row.running if row else None, "waiting": row.waiting if row else None,
                 "kv_cache_usage": row.kv_cache_usage if row else None,
                 "rss_mib": round(row.rss_bytes / 1024**2) if row and row.rss_bytes else None,
@@ -154,10 +157,10 @@ def format_status(report: dict[str, Any]) -> str:
         counts = ", ".join(f"{k}={v}" for k, v in sorted(dep["replica_states"].items()))
         lines.append(f"deployment {name}: {dep['status']} ({counts or 'no replicas'}; "
                      f"target {dep['target_replicas']})")
-    header = ("REPLICA", "PID", "NODE", "GPU", "STATE", "RUNNING", "WAITING", "KV %",
-              "HOST KV %", "CACHED", "PREFIX HIT %", "RSS MiB")
+    header = ("REPLICA", "PID", "TP RANK PIDS", "NODE", "GPU", "STATE", "RUNNING", "WAITING",
+              "KV %", "HOST KV %", "CACHED", "PREFIX HIT %", "RSS MiB")
     table = [header] + [(
-        r["replica_id"], str(r["pid"] or "-"), (r.get("node_id") or "-")[:8],
+        r["replica_id"], str(r["pid"] or "-"), _ranks(r), (r.get("node_id") or "-")[:8],
         ",".join(r.get("gpu_ids") or []) or "-", r["state"], _or_dash(r["running"]),
         _or_dash(r["waiting"]), _percent(r["kv_cache_usage"]), _percent(r.get("kv_host_usage")),
         _or_dash(r.get("kv_cached_blocks")), _percent(r.get("prefix_cache_hit_rate")),
@@ -168,6 +171,12 @@ def format_status(report: dict[str, Any]) -> str:
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
               for row in table]
     return "\n".join(lines)
+
+
+def _ranks(replica: dict[str, Any]) -> str:
+    """Tensor-parallel ranks 1.. by pid ("1:4711,2:4712"); "-" without tp."""
+    pids = replica.get("rank_pids") or []
+    return ",".join(f"{i}:{pid}" for i, pid in enumerate(pids, start=1)) or "-"
 
 
 def _or_dash(value: Any) -> str:

@@ -197,6 +197,12 @@ def build_app(args: dict[str, Any] | AppConfig) -> Application:
                                      "num_gpus": config.num_gpus_per_replica}
     if config.autoscaling is not None:
         scaling = {"num_replicas": "auto", "autoscaling_config": config.autoscaling.model_dump()}
+    if config.tensor_parallel_size > 1:  # a placement group per replica, a bundle per rank
+        from kvserve.cluster.tp_ranks import bundles
+
+        scaling |= {"placement_group_bundles": bundles(
+            config.tensor_parallel_size, config.num_cpus_per_replica,
+            config.num_gpus_per_replica), "placement_group_strategy": "STRICT_PACK"}
     deployment = GenerationDeployment.options(
         **scaling,
         max_ongoing_requests=config.max_ongoing_requests,

@@ -67,7 +67,8 @@ class GenerationDeployment:
         engine_config, self.substituted = on_logical_gpus(
             engine_config, placement()[1], torch.cuda.is_available(),
             os.environ.get(LOGICAL_GPUS_ENV) == "1")
-        self.engine = LLMEngine(EngineConfig(**engine_config))
+        config = EngineConfig(**engine_config)
+        self.engine = LLMEngine(config, rank_launcher=_rank_launcher(config))
         self.async_engine = AsyncLLMEngine(self.engine)
         # before anything reports on the engine: metrics and the cache manager never see it
         self.warm_up = await _warm_up(self.async_engine)
@@ -82,8 +83,8 @@ class GenerationDeployment:
         self.openai = OpenAIServing(self.async_engine, observe=self._observe,
                                     replicas=replicas, on_usage=self._used,
                                     tracer=self.tracer)
-        self.status_publisher = StatusPublisher(self.engine.load,
-                                                device=self.engine.info.device).start()
+        self.status_publisher = StatusPublisher(self.engine.load, device=self.engine.info.device,
+                                                rank_pids=self.engine.rank_pids()).start()
         _say_if_a_gpu_is_only_logical(self.status_publisher.gpu_ids, self.engine.info.device,
                                       self.substituted)
         self.kv_reporter = _start_kv_reporter(self.engine, self.status_publisher.replica_id,
@@ -160,6 +161,14 @@ class GenerationDeployment:
     async def __del__(self) -> None:
         """Serve's shutdown hook, after its graceful wait: streams still open end UNAVAILABLE
         (EngineShutdownError), new ones are refused the same way, and every KV block is freed."""
+        if not hasattr(self, "kv_reporter"):  # the constructor failed part way
+            if hasattr(self, "async_engine"):
+                await self.async_engine.shutdown()
+            elif hasattr(self, "engine"):
+                self.engine.shutdown()
+            if hasattr(self, "status_publisher"):
+                self.status_publisher.stop()
+            return
         self.status_publisher.stop()
         self.kv_reporter.stop()
         await self.async_engine.shutdown()
@@ -210,18 +219,46 @@ class GenerationDeployment:
 
         `fail_next_step`: the next model step raises, as a CUDA fault would, so the engine's
         step loop dies (the request it ran fails UNAVAILABLE) and `check_health` fails.
+        `fail_rank_step` (tensor_parallel_size > 1): the next step's forward raises inside
+        tensor-parallel rank 1 instead, which ends that rank and then the same way.
         Returns this replica's id."""
         if os.environ.get(ADMIN_ENV) != "1":
             raise PermissionError(f"admin actions are off on this replica (set {ADMIN_ENV}=1 "
                                   "in its environment to allow them)")
+        if action == "fail_rank_step" and self.engine.followers is not None:
+            _fail_rank_step(self.engine.followers)
+            return self.status_publisher.replica_id
         if action != "fail_next_step":
-            raise ValueError(f"unknown admin action {action!r} (fail_next_step)")
+            raise ValueError(f"unknown admin action {action!r} (fail_next_step, "
+                             "fail_rank_step with tensor_parallel_size > 1)")
 
         def failing_step() -> list:
             raise RuntimeError("injected step failure (admin fail_next_step)")
 
         self.engine.step = failing_step  # type: ignore[method-assign]
         return self.status_publisher.replica_id
+
+
+def _rank_launcher(config: EngineConfig) -> Any:
+    """Tensor-parallel ranks 1..N-1 as Ray actors in this replica's placement group (one
+    bundle each, as `build_app` reserved them); None without tp."""
+    if config.tensor_parallel_size == 1:
+        return None
+    from kvserve.cluster import tp_ranks
+
+    return tp_ranks.launcher()
+
+
+def _fail_rank_step(followers: Any) -> None:
+    """The next step sent to rank 1 writes its K/V to slots outside the pool: its forward
+    raises there (an IndexError), its process ends, and rank 0's collective fails."""
+    send = followers.send_step
+
+    def corrupt(plan: Any) -> None:
+        followers.send_step = send
+        send(dataclasses.replace(plan, slots=[1 << 40] * len(plan.slots)))
+
+    followers.send_step = corrupt
 
 
 class _Counted:

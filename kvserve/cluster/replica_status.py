@@ -40,6 +40,7 @@ class ReplicaStatus:
     gpu_ids: list[str] = field(default_factory=list)  # the GPUs Ray gave it (logical ones too)
     device: str = ""  # where its engine runs: cpu, cuda:0, ...
     kv_pool_bytes: int = 0  # of rss_bytes, the KV pool's pages written so far (EngineLoad)
+    rank_pids: list[int] = field(default_factory=list)  # tensor-parallel ranks 1..N-1
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -59,6 +60,7 @@ class ReplicaStatus:
             gpu_ids=[str(g) for g in values.get("gpu_ids", [])],
             device=str(values.get("device", "")),
             kv_pool_bytes=int(values.get("kv_pool_bytes", 0)),
+            rank_pids=[int(p) for p in values.get("rank_pids", [])],
         )
 
 
@@ -123,12 +125,14 @@ class StatusPublisher:
 
     def __init__(self, snapshot: Callable[[], tuple[int, int, float] | tuple[int, int, float, int]],
                  replica_id: str | None = None, node_ip: str | None = None,
-                 interval: float = PUBLISH_INTERVAL_S, device: str = "") -> None:
+                 interval: float = PUBLISH_INTERVAL_S, device: str = "",
+                 rank_pids: list[int] | None = None) -> None:
         self.snapshot = snapshot
         self.replica_id = replica_id or _replica_id()
         self.node_ip = node_ip or _node_ip()
         self.node_id, self.gpu_ids = placement()
         self.device = device
+        self.rank_pids = list(rank_pids or [])
         self.pid = os.getpid()
         self.interval = interval
         self._stop = threading.Event()
@@ -139,7 +143,8 @@ class StatusPublisher:
         running, waiting, usage, *pool = self.snapshot()
         return ReplicaStatus(self.replica_id, self.pid, self.node_ip, int(running), int(waiting),
                              float(usage), time.time(), _resident_bytes(), self.node_id,
-                             list(self.gpu_ids), self.device, int(pool[0]) if pool else 0)
+                             list(self.gpu_ids), self.device, int(pool[0]) if pool else 0,
+                             self.rank_pids)
 
     def publish_once(self) -> None:
         try:

@@ -94,7 +94,9 @@ def limiter(app: str, tenants: dict[str, Tenant] | None = None):  # -> ray Actor
 
     actor = ray.remote(num_cpus=0)(TenantLimiter).options(
         name=actor_name(app), namespace=NAMESPACE, lifetime="detached",
-        get_if_exists=True).remote(tenants or {})
+        get_if_exists=True,
+        # not in the placement group of the replica starting it (a tensor-parallel one's)
+        scheduling_strategy="DEFAULT").remote(tenants or {})
     if tenants is not None:
         ray.get(actor.configure.remote(tenants))
     return actor

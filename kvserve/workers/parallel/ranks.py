@@ -60,7 +60,8 @@ class RankArgs:
     hf_config: Any  # the checkpoint's (RoPE overrides applied)
     model: str | None  # load this checkpoint directory...
     tensors: dict[str, torch.Tensor] | None  # ...or take these (an in-memory checkpoint)
-    threads: int
+    threads: int  # torch threads; 0: the process's share of the cores (OMP_NUM_THREADS, as
+    # Ray sets it for an actor's CPUs, else the node's cores over the ranks)
 
 
 class RankProcess(Protocol):
@@ -136,7 +137,7 @@ def start_followers(config: EngineConfig, ckpt: LoadedCheckpoint, device: torch.
     checkpoints) has its tensors shared with them."""
     size = config.tensor_parallel_size
     store = open_store(size)
-    threads = config.num_threads or max(1, (os.cpu_count() or 1) // size)
+    threads = config.num_threads or 0
     from_files = any(Path(ckpt.path).glob("*.safetensors"))
     processes: list[RankProcess] = []
     try:
@@ -185,11 +186,12 @@ def _wait_joined(store, processes: list[RankProcess]) -> None:
 
 def rank_main(args: RankArgs) -> None:
     """A follower rank's process: build its part, then run what rank 0 sends until the stop."""
-    torch.set_num_threads(args.threads)
+    if args.threads or "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // args.size))
     device = torch.device(args.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(args.rank)
-        device = torch.device("cuda", args.rank)
+    if device.type == "cuda":  # a local rank sees every GPU, a Ray actor its own one
+        device = torch.device("cuda", args.rank if torch.cuda.device_count() > 1 else 0)
+        torch.cuda.set_device(device)
     try:
         store = join_store(args.size, args.port)
         store.set(f"joined/{args.rank}", "1")
