@@ -27,6 +27,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: float32 on CPU, bfl
 # The attention package checks names against this tuple.
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "flash_attn", "triton")
 SPECULATIVE_METHODS = ("ngram", "draft_model")
+TP_STEP_CHANNELS = ("shm", "gloo")
 GiB = 1024**3
 
 _SIZE = re.compile(r"^\s*([0-9.]+)\s*([KMGT]?)(i?B?)\s*$", re.IGNORECASE)
@@ -147,6 +148,10 @@ class EngineConfig:
            "GPU on CUDA (NCCL), a process on a CPU (gloo). It must divide the model's attention "
            "heads, KV heads, vocabulary and MLP width. A Serve replica reserves a placement "
            "group of this many bundles", gt=0)
+    tp_step_channel: str = setting(
+        "shm", "tensor parallelism: how rank 0 sends each step's plan to the other ranks; shm: a "
+               "ring in shared memory (every rank is on one node), gloo: broadcasts over the "
+               "CPU process group (two per step)", choices=TP_STEP_CHANNELS)
     timeline_steps: int = setting(
         2048, "engine steps the step recorder keeps (a ring buffer read by `kvserve trace` and "
               "per-request timelines); 0 turns the recorder off, requests' timelines too", ge=0)

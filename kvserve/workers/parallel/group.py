@@ -105,16 +105,19 @@ class TPGroup:
         self.stats.add("all_reduce", time.perf_counter() - start, x.numel() * x.element_size())
         return x
 
-    def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor | None:
+    def gather_last_dim(self, x: torch.Tensor, cpu: bool = False) -> torch.Tensor | None:
         """Rank 0: every rank's x joined along the last dim, in rank order (the LM head's
-        vocabulary slices -> whole logits); the other ranks: None."""
+        vocabulary slices -> whole logits); the other ranks: None. `cpu`: over the CPU group
+        (host tensors, e.g. the ranks' own measurements)."""
         start = time.perf_counter()
         x = x.contiguous()
         outputs = [[torch.empty_like(x) for _ in range(self.size)]] if self.is_first else []
         options = dist.GatherOptions()
         options.rootRank = 0
-        self._wait(self.device_group.gather(outputs, [x], options), "gather")
-        self.stats.add("gather", time.perf_counter() - start, x.numel() * x.element_size())
+        group = self.cpu if cpu else self.device_group
+        self._wait(group.gather(outputs, [x], options), "gather")
+        if not cpu:
+            self.stats.add("gather", time.perf_counter() - start, x.numel() * x.element_size())
         return torch.cat(outputs[0], dim=-1) if self.is_first else None
 
     # -- the engine's messages (per step, on the CPU group) -------------------------------
@@ -150,6 +153,15 @@ class TPGroup:
     def all_ok(self, ok: bool) -> bool:
         """Whether every rank says ok (a step's KV copies done everywhere)."""
         return self.min_int(int(ok)) == 1
+
+    def check_first_alive(self) -> None:
+        """Raise RankFailed if rank 0 is gone (its store no longer answers): a rank waiting
+        for messages outside the group (`ShmRing`) asks now and then."""
+        try:
+            self.store.check(["joined/1"])
+        except Exception as exc:  # noqa: BLE001 - the store's client raises its own kinds
+            raise RankFailed(f"tensor-parallel rank {self.rank}/{self.size}: rank 0 is gone "
+                             f"({exc})") from exc
 
     def _wait(self, work: dist.Work, what: str) -> None:
         try:

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from kvserve.workers.parallel.group import RankFailed, TPGroup, join_store, open_store
+from kvserve.workers.parallel.shm_ring import ShmRing
 
 if TYPE_CHECKING:
     from kvserve.workers.config import EngineConfig
@@ -90,25 +91,55 @@ RankLauncher = Callable[[RankArgs], RankProcess]
 
 
 def launch_local(args: RankArgs) -> RankProcess:
-    """A rank as a local process (spawned: a fresh interpreter, no forked threads or CUDA)."""
-    process = multiprocessing.get_context("spawn").Process(
-        target=rank_main, args=(args,), daemon=True, name=f"kvserve-tp-rank-{args.rank}")
+    """A rank as a local process, forked from multiprocessing's fork server: a process that
+    imported torch and the engine once, has no threads and no CUDA context, so each rank
+    starts in a fraction of a second instead of importing torch again (~2 s) as a spawned
+    one would; and unlike a fork of rank 0 it inherits none of rank 0's threads or state."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["kvserve.workers.builder"])
+    process = context.Process(target=rank_main, args=(args,), daemon=True,
+                              name=f"kvserve-tp-rank-{args.rank}")
     with _main_not_rerun():
         process.start()
     return process
 
 
+class GlooChannel:
+    """Step messages as broadcasts over the group's CPU (gloo) link."""
+
+    def __init__(self, group: TPGroup) -> None:
+        self.group = group
+
+    def send(self, obj: object) -> None:
+        self.group.broadcast_object(obj)
+
+    def recv(self) -> object:
+        return self.group.broadcast_object(idle=True)
+
+    def close(self) -> None:
+        pass
+
+
+Channel = GlooChannel | ShmRing
+
+
 class Followers:
     """Rank 0's handle on ranks 1..N-1: the group, the processes, and the messages
-    (`ModelRunner`'s StepSender)."""
+    (`ModelRunner`'s StepSender), sent over `channel` (tp_step_channel)."""
 
-    def __init__(self, group: TPGroup, processes: list[RankProcess]) -> None:
+    def __init__(self, group: TPGroup, processes: list[RankProcess], channel: Channel) -> None:
         self.group = group
         self.processes = processes
-        self._finalizer = weakref.finalize(self, _stop, group, processes)
+        self.channel = channel
+        self._finalizer = weakref.finalize(self, _stop, group, processes, channel)
+
+    def _send(self, message: object) -> None:
+        start = time.perf_counter()
+        self.channel.send(message)
+        self.group.stats.add("step_message", time.perf_counter() - start, 0)
 
     def send_copy(self, plan: KVCopyPlan) -> None:
-        self.group.broadcast_object(("copy", plan))
+        self._send(("copy", plan))
 
     def copies_done(self) -> None:
         """Returns once every rank has done the copies just sent."""
@@ -116,7 +147,18 @@ class Followers:
             raise RankFailed("a tensor-parallel rank could not copy KV blocks")
 
     def send_step(self, plan: StepPlan) -> None:
-        self.group.broadcast_object(("step", plan))
+        self._send(("step", plan, time.monotonic()))
+
+    def latency(self) -> dict[str, float]:
+        """From rank 0's send of a step's plan to each rank's receipt of it, over every step so
+        far, as the ranks measured it: mean and max seconds, and the steps counted (a
+        collective: every rank answers)."""
+        self._send(("latency",))
+        sums = self.group.gather_last_dim(torch.zeros(3, dtype=torch.float64), cpu=True)
+        per_rank = sums.view(-1, 3)[1:]  # rank 0 sends; it receives nothing
+        steps = float(per_rank[:, 2].min())
+        return {"mean_s": float(per_rank[:, 0].sum() / per_rank[:, 2].sum().clamp(min=1)),
+                "max_s": float(per_rank[:, 1].max()), "steps": steps}
 
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.processes)
@@ -146,18 +188,27 @@ def start_followers(config: EngineConfig, ckpt: LoadedCheckpoint, device: torch.
                             str(ckpt.path) if from_files else None,
                             None if from_files else ckpt.tensors, threads)
             processes.append((launch or launch_local)(args))
-        _wait_joined(store, processes)
+        _wait_joined(store, processes, "joined")
         group = TPGroup(store, 0, size, device)
+        if config.tp_step_channel == "shm":
+            channel: Channel = ShmRing.create(group, group.timeout.total_seconds())
+            store.set("ring", channel.name)
+            try:
+                _wait_joined(store, processes, "attached")
+            finally:
+                channel.unlink()  # mapped by every rank (or failed): the name can go
+        else:
+            channel = GlooChannel(group)
     except BaseException:
         _terminate(processes)
         raise
-    return Followers(group, processes)
+    return Followers(group, processes, channel)
 
 
 @contextlib.contextmanager
 def _main_not_rerun() -> Iterator[None]:
-    """Spawned ranks run `rank_main` alone: a spawned child imports its parent's main script
-    again (multiprocessing's `__main__` fix-up), which in a script without an
+    """Local ranks run `rank_main` alone: a spawned or fork-server child imports its parent's
+    main script again (multiprocessing's `__main__` fix-up), which in a script without an
     `if __name__ == "__main__"` guard would build the engine again, and its ranks, without end.
     The children are started while `__main__` looks like a module without a file."""
     main = sys.modules["__main__"]
@@ -168,10 +219,11 @@ def _main_not_rerun() -> Iterator[None]:
         sys.modules["__main__"] = main
 
 
-def _wait_joined(store, processes: list[RankProcess]) -> None:
-    """Wait until every rank has reached the store, or say which one died first (rather than
-    wait the rendezvous's whole timeout for a rank that is gone)."""
-    keys = [f"joined/{rank}" for rank in range(1, len(processes) + 1)]
+def _wait_joined(store, processes: list[RankProcess], what: str) -> None:
+    """Wait until every rank has set `what/<rank>` in the store (reached it, mapped the ring),
+    or say which one died first (rather than wait the rendezvous's whole timeout for a rank
+    that is gone)."""
+    keys = [f"{what}/{rank}" for rank in range(1, len(processes) + 1)]
     deadline = time.monotonic() + JOIN_TIMEOUT_S * 6
     while not store.check(keys):
         for p in processes:
@@ -196,8 +248,14 @@ def rank_main(args: RankArgs) -> None:
         store = join_store(args.size, args.port)
         store.set(f"joined/{args.rank}", "1")
         group = TPGroup(store, args.rank, args.size, device)
+        if args.config.tp_step_channel == "shm":
+            channel: Channel = ShmRing.attach(store.get("ring").decode(), group,
+                                              group.timeout.total_seconds())
+            store.set(f"attached/{args.rank}", "1")
+        else:
+            channel = GlooChannel(group)
         runner = _build(args, group, device)
-        serve(runner, group)
+        serve(runner, group, channel)
     except RankFailed:
         sys.exit(1)  # rank 0 went away or failed: it says why
     except BaseException:
@@ -220,27 +278,36 @@ def _build(args: RankArgs, group: TPGroup, device: torch.device):
                       group).runner
 
 
-def serve(runner, group: TPGroup) -> None:
+def serve(runner, group: TPGroup, channel: Channel) -> None:
     """Run rank 0's messages in order until the stop."""
+    latency = torch.zeros(3, dtype=torch.float64)  # sum and max of the plans' latency, steps
     while True:
-        message = group.broadcast_object(idle=True)
+        message = channel.recv()
         if message is STOP:
+            channel.close()
             return
-        kind, payload = message
+        kind, *payload = message
         if kind == "step":
-            runner.forward(runner.inputs(payload))
+            plan, sent = payload
+            waited = time.monotonic() - sent
+            latency += torch.tensor([waited, 0.0, 1.0], dtype=torch.float64)
+            latency[1] = max(float(latency[1]), waited)
+            runner.forward(runner.inputs(plan))
         elif kind == "copy":
-            runner.copy(payload)
+            runner.copy(payload[0])
             group.all_ok(True)
+        elif kind == "latency":
+            group.gather_last_dim(latency, cpu=True)
         else:
             raise ValueError(f"unknown message {kind!r} from rank 0")
 
 
-def _stop(group: TPGroup, processes: list[RankProcess]) -> None:
-    if any(p.is_alive() for p in processes):
+def _stop(group: TPGroup, processes: list[RankProcess], channel: Channel) -> None:
+    if all(p.is_alive() for p in processes):
         with contextlib.suppress(RankFailed):
-            group.broadcast_object(STOP)
+            channel.send(STOP)
     _terminate(processes)
+    channel.close()
 
 
 def _terminate(processes: list[RankProcess]) -> None:
