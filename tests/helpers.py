@@ -5,7 +5,6 @@ from __future__ import annotations
 import collections
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -49,20 +48,6 @@ def noisy_checkpoint(model_type: str, **overrides: Any) -> LoadedCheckpoint:
             noise = torch.randn(tensor.shape, generator=gen) * 0.2
             ckpt.tensors[name] = tensor + noise
     return ckpt
-
-
-def save_checkpoint(ckpt: LoadedCheckpoint, path: Path) -> Path:
-    """`ckpt` as a model directory (config.json, tokenizer files, model.safetensors), as
-    transformers' `save_pretrained` lays one out: what `--model DIR` reads."""
-    from safetensors.torch import save_file
-
-    path.mkdir(parents=True, exist_ok=True)
-    ckpt.config.save_pretrained(path)
-    ckpt.tokenizer.save_pretrained(path)
-    tied = ckpt.config.tie_word_embeddings
-    save_file({k: v.contiguous() for k, v in ckpt.tensors.items()
-               if not (tied and k == "lm_head.weight")}, path / "model.safetensors")
-    return path
 
 
 def output_ids(outputs) -> list[int]:

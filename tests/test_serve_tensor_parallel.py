@@ -22,7 +22,8 @@ from kvserve.cluster.cache_check import find_problems
 from kvserve.v1 import generation_pb2 as pb
 from kvserve.workers.config import EngineConfig
 from kvserve.workers.engine import LLMEngine
-from tests.helpers import noisy_checkpoint, output_ids, poll, save_checkpoint
+from kvserve.workers.model_executor.tiny import save_checkpoint
+from tests.helpers import noisy_checkpoint, output_ids, poll
 from tests.serving import serve_locally
 from tests.test_serve_replica_health import HEALTH_CHECKS
 from tests.test_serve_replica_kill import _replica_rows, _replica_states

@@ -29,6 +29,7 @@ from kvserve.bench.baselines import (
     weights_read_seconds,
 )
 from kvserve.bench.common import greedy_params, make_prompts, run_greedy
+from kvserve.bench.tensor_parallel import summarize_tp, tp_engines, tp_round
 from kvserve.workers.config import EngineConfig
 from kvserve.workers.engine import LLMEngine
 from kvserve.workers.model_executor.cpu_kernels import cpu_summary
@@ -98,15 +99,35 @@ def run_throughput_bench(
     say("warming up kvserve")
     for e in filter(None, (engine, fp32)):
         kvserve_throughput(e, prompts[:2], 4)
+    tp = engine.info.tensor_parallel_size
+    tp_twins = None
+    if tp > 1:
+        say(f"tensor parallelism: a tp 1 engine and a tp {tp} one on the other step channel")
+        tp_twins = tp_engines(config, engine)
+        for e in [tp_twins.tp1, *tp_twins.by_channel.values()]:
+            kvserve_throughput(e, prompts[:2], 4)
     hf_model = None if skip_hf else load_hf_model(engine.model_path, dtype=engine.dtype)
     runs: dict[str, list[float]] = {}
-    for round_ in range(1, repeats + 1):
-        say(f"round {round_}/{repeats}")
-        for key, value in _one_round(engine, fp32, hf_model, prompts, output_len,
-                                     hf_sequential_requests, say, progress).items():
-            runs.setdefault(key, []).append(value)
+    try:
+        for round_ in range(1, repeats + 1):
+            say(f"round {round_}/{repeats}")
+            result = _one_round(engine, fp32, hf_model, prompts, output_len,
+                                hf_sequential_requests, say, progress)
+            if tp_twins is not None:
+                say(f"tp 1 and tp {tp} on each step channel: the same workload")
+                result.update(tp_round(tp_twins, prompts, output_len))
+            for key, value in result.items():
+                runs.setdefault(key, []).append(value)
+    finally:
+        if tp_twins is not None:
+            tp_twins.shutdown()
     report: dict[str, Any] = {key: max(values) for key, values in runs.items()
-                              if key not in BATCH1_KEYS and not key.endswith("_share")}
+                              if key not in BATCH1_KEYS and not key.endswith("_share")
+                              and not key.startswith("tp_")}
+    for channel in tp_twins.by_channel if tp_twins else ():  # each one's fastest round's
+        k = f"tp_{channel}_"
+        best_tp = max(range(repeats), key=lambda i, k=k: runs[k + "tok_s"][i])
+        report.update({key: runs[key][best_tp] for key in runs if key.startswith(k)})
     best = min(range(repeats), key=lambda i: runs["decode_vs_bandwidth_limit"][i])
     report.update({key: runs[key][best] for key in BATCH1_KEYS})  # the best round's, together
     fastest = max(range(repeats), key=lambda i: runs["kvserve_tok_s"][i])
@@ -128,6 +149,9 @@ def run_throughput_bench(
                         **vars(engine.info), "torch_threads": torch.get_num_threads(),
                         "cpu": cpu_summary() if engine.device.type == "cpu" else None}
     report["summary"] = summarize(report)
+    if tp_twins is not None:
+        report["summary"] += "\n" + "\n".join(
+            summarize_tp(report, tp, list(tp_twins.by_channel)))
     return report
 
 

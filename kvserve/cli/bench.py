@@ -24,7 +24,11 @@ def add_bench(sub) -> None:
                     "weights. HF runs in the engine's --dtype; with bfloat16 on a CPU a float32 "
                     "kvserve engine runs the same workload beside it. Each kvserve run also "
                     "reports the share of its time its projections alone take (the rest: "
-                    "attention, norms, sampling, scheduling, Python).",
+                    "attention, norms, sampling, scheduling, Python). With "
+                    "--tensor-parallel-size N > 1 a tp 1 engine and a tp N engine on the other "
+                    "--tp-step-channel run the same workload, and each tp N run reports per "
+                    "step the step plan's send time and latency to the other ranks and the "
+                    "all-reduces' and the logits' gather's time and bytes.",
     )
     t.add_argument("--requests", type=int, default=32, help="requests (default 32)")
     t.add_argument("--prompt-len", type=int, default=128,
@@ -42,8 +46,9 @@ def add_bench(sub) -> None:
                         "hf_generate_batch_tok_s, decode_ms_per_token, "
                         "bandwidth_limit_ms_per_token, decode_vs_bandwidth_limit, "
                         "weights_read_ms, matmul_share, speedups, with a reduced dtype on "
-                        "CPU fp32_kvserve_tok_s, fp32_matmul_share, speedup_vs_fp32; runs: "
-                        "every round's numbers)")
+                        "CPU fp32_kvserve_tok_s, fp32_matmul_share, speedup_vs_fp32; with "
+                        "tp > 1 tp1_tok_s and tp_<channel>_* per step; runs: every round's "
+                        "numbers)")
     add_engine_args(t)
     t.set_defaults(run=_run_bench_throughput)
     _add_bench_serve(bench)

@@ -50,6 +50,23 @@ def tiny_checkpoint(
     return LoadedCheckpoint(Path(f"tiny-{model_type}"), config, tokenizer, tensors)
 
 
+def save_checkpoint(ckpt: LoadedCheckpoint, path: Path) -> Path:
+    """`ckpt` as a model directory (config.json, tokenizer files, model.safetensors), laid out
+    as transformers' `save_pretrained` does: what `--model DIR` reads. E.g. a random model of a
+    shape the default one does not have (tensor parallelism over 2 ranks needs an even number
+    of heads: `tiny_checkpoint("llama", num_attention_heads=8, num_key_value_heads=4, ...)`)."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    ckpt.config.save_pretrained(path)
+    ckpt.tokenizer.save_pretrained(path)
+    tied = ckpt.config.tie_word_embeddings
+    save_file({k: v.contiguous() for k, v in ckpt.tensors.items()
+               if not (tied and k == "lm_head.weight")}, path / "model.safetensors")
+    return path
+
+
 # the random weights of the last argument sets (model type, seed, RoPE, overrides) drawn:
 # a test run builds hundreds of tiny checkpoints from a few argument sets, and transformers'
 # initialisation costs more than most of the tests that ask for one

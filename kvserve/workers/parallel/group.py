@@ -9,7 +9,8 @@ from `init_process_group`'s one per process.
 
 Two groups under one object: `cpu` (gloo) carries the step plans and start-up agreements
 on every device; `device` carries the model's all-reduces and gathers: NCCL on CUDA, the same
-gloo group on a CPU. On a CPU, gloo binds to the loopback interface unless GLOO_SOCKET_IFNAME
+gloo group on a CPU, where the all-reduces go through shared memory instead
+(`shm_all_reduce`). On a CPU, gloo binds to the loopback interface unless GLOO_SOCKET_IFNAME
 names another (every rank of an engine runs on one node: a replica's placement group packs
 them).
 """
@@ -24,6 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+from kvserve.workers.parallel.shm_all_reduce import ShmAllReduce
 
 LOOPBACK = "127.0.0.1"
 # the ranks' collectives end with an error after this long rather than NCCL's 30 minutes: a
@@ -83,6 +86,9 @@ class TPGroup:
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.stats = CollectiveStats()
         self.cpu = _gloo(dist.PrefixStore("cpu/", store), rank, size, self.timeout)
+        self.shm: ShmAllReduce | None = None  # the CPU ranks' all-reduce (shm_all_reduce.py)
+        if device.type == "cpu" and os.path.isdir("/dev/shm") and os.path.isdir("/proc"):
+            self.shm = _open_shm_all_reduce(store, rank, size, timeout_s)
         if device.type == "cuda":
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = self.timeout
@@ -101,7 +107,10 @@ class TPGroup:
         """x summed over the ranks, in place (x: contiguous). o_proj's and down_proj's partial
         sums, the embedding's slices."""
         start = time.perf_counter()
-        self._wait(self.device_group.allreduce([x]), "all_reduce")
+        if self.shm is not None and self.shm.fits(x):
+            self.shm(x)
+        else:
+            self._wait(self.device_group.allreduce([x]), "all_reduce")
         self.stats.add("all_reduce", time.perf_counter() - start, x.numel() * x.element_size())
         return x
 
@@ -169,6 +178,24 @@ class TPGroup:
         except Exception as exc:  # gloo and NCCL raise RuntimeError and DistBackendError
             raise RankFailed(f"tensor-parallel rank {self.rank}/{self.size}: {what} failed: "
                              f"{exc}") from exc
+
+
+def _open_shm_all_reduce(store: dist.Store, rank: int, size: int,
+                         timeout_s: float) -> ShmAllReduce:
+    """Rank 0 creates the segment and names it in the store; once every rank has mapped it
+    (and published its pid there), the name goes."""
+    if rank == 0:
+        path = f"/dev/shm/kvserve-tp-all-reduce-{os.getpid()}-{id(store):x}"
+        shm = ShmAllReduce(path, 0, size, True, timeout_s)
+        store.set("all_reduce", path)
+        try:
+            store.wait([f"all_reduce/{r}" for r in range(1, size)])
+        finally:
+            shm.unlink()
+        return shm
+    shm = ShmAllReduce(store.get("all_reduce").decode(), rank, size, False, timeout_s)
+    store.set(f"all_reduce/{rank}", "1")
+    return shm
 
 
 def _gloo(store: dist.Store, rank: int, size: int,

@@ -150,9 +150,9 @@ class Followers:
         self._send(("step", plan, time.monotonic()))
 
     def latency(self) -> dict[str, float]:
-        """From rank 0's send of a step's plan to each rank's receipt of it, over every step so
-        far, as the ranks measured it: mean and max seconds, and the steps counted (a
-        collective: every rank answers)."""
+        """From rank 0's send of a step's plan to each rank's receipt of it, as the ranks
+        measured it since the last call: mean and max seconds, and the steps counted (a
+        collective: every rank answers, then starts counting again)."""
         self._send(("latency",))
         sums = self.group.gather_last_dim(torch.zeros(3, dtype=torch.float64), cpu=True)
         per_rank = sums.view(-1, 3)[1:]  # rank 0 sends; it receives nothing
@@ -298,6 +298,7 @@ def serve(runner, group: TPGroup, channel: Channel) -> None:
             group.all_ok(True)
         elif kind == "latency":
             group.gather_last_dim(latency, cpu=True)
+            latency.zero_()
         else:
             raise ValueError(f"unknown message {kind!r} from rank 0")
 

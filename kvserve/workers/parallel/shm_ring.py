@@ -16,9 +16,9 @@ a sequence sees the payload before it; other CPUs would need fences here.
 
 A reader polls: it spins (yielding the core) for SPIN_S after each message, the gap at which
 the next step's plan comes while requests run, then sleeps with a growing pause up to
-IDLE_SLEEP_S. A message larger than a slot goes over the gloo group instead (a marker in the
-ring says so). The segment is unlinked as soon as every reader has mapped it, so nothing is
-left in /dev/shm whatever ends the processes.
+IDLE_SLEEP_S; with fewer cores than ranks it does not spin. A message larger than a slot goes
+over the gloo group instead (a marker in the ring says so). The segment is unlinked as soon as
+every reader has mapped it, so nothing is left in /dev/shm whatever ends the processes.
 """
 
 from __future__ import annotations
@@ -61,6 +61,9 @@ class ShmRing:
             os.close(fd)
         self.buf = memoryview(self.memory)
         self.seq = 0  # messages sent (rank 0) or read (the others)
+        # spin only where every rank can have a core: on fewer cores a spinning reader takes
+        # the core a rank still computing needs
+        self.spin_s = SPIN_S if len(os.sched_getaffinity(0)) >= group.size else 0.0
 
     @classmethod
     def create(cls, group: TPGroup, timeout_s: float) -> ShmRing:
@@ -117,7 +120,7 @@ class ShmRing:
     def recv(self) -> object:
         """The next message; waits as long as rank 0 sends none, and raises RankFailed once
         rank 0 is gone (its store no longer answers)."""
-        spin_until = time.monotonic() + SPIN_S
+        spin_until = time.monotonic() + self.spin_s
         pause = 1e-5
         checked = time.monotonic()
         while _U64.unpack_from(self.buf, 0)[0] <= self.seq:
