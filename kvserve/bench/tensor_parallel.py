@@ -1,8 +1,9 @@
 """`kvserve bench throughput -tp N`: where a tensor-parallel step's time goes, beside tp 1 in
 the same run.
 
-Three engines on the same prompts: tp 1, tp N with the step channel asked for, and tp N with
-the other channel (shm ring or gloo broadcasts). For each tp N run, per step: the time rank 0
+Three engines on the same prompts: tp 1 (on as many threads as the tp N ranks have together),
+tp N with the step channel asked for, and tp N with the other channel (shm ring or gloo
+broadcasts). For each tp N run, per step: the time rank 0
 spends sending the step's plan, the time from that send to each rank's receipt (measured by the
 ranks), and the all-reduces and the logits' gather with the bytes they moved. On a CPU with
 fewer cores than ranks x threads, tp N is not expected to be faster than tp 1; the figures say
@@ -12,7 +13,10 @@ where its time goes.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
+
+import torch
 
 from kvserve.bench.common import run_greedy
 from kvserve.workers.config import TP_STEP_CHANNELS, EngineConfig
@@ -23,6 +27,8 @@ from kvserve.workers.engine import LLMEngine
 class TPEngines:
     tp1: LLMEngine
     by_channel: dict[str, LLMEngine]  # tp N, the config's channel first
+    tp1_threads: int  # every rank's threads together: tp 1 on the cores tp N uses
+    rank_threads: int  # rank 0's under tp N
 
     def shutdown(self) -> None:
         for engine in self.by_channel.values():
@@ -33,17 +39,26 @@ def tp_engines(config: EngineConfig, engine: LLMEngine) -> TPEngines:
     """`engine` (tp N, built from `config`), a tp 1 twin and a tp N twin on the other
     channel."""
     other = next(c for c in TP_STEP_CHANNELS if c != config.tp_step_channel)
-    return TPEngines(
-        LLMEngine(dataclasses.replace(config, tensor_parallel_size=1)),
-        {config.tp_step_channel: engine,
-         other: LLMEngine(dataclasses.replace(config, tp_step_channel=other))})
+    rank_threads = torch.get_num_threads()
+    tp = config.tensor_parallel_size
+    twin = LLMEngine(dataclasses.replace(config, tensor_parallel_size=1, num_threads=None))
+    engines = TPEngines(
+        twin, {config.tp_step_channel: engine,
+               other: LLMEngine(dataclasses.replace(config, tp_step_channel=other))},
+        tp1_threads=min(os.cpu_count() or 1, rank_threads * tp), rank_threads=rank_threads)
+    torch.set_num_threads(rank_threads)
+    return engines
 
 
 def tp_round(engines: TPEngines, prompts: list[list[int]], output_len: int) -> dict[str, float]:
     """One round: tok/s of tp 1 and of tp N on each channel, and tp N's communication per
     step (`tp_<channel>_*` keys)."""
-    run = run_greedy(engines.tp1, prompts, output_len)
-    result = {"tp1_tok_s": run.tok_s}
+    torch.set_num_threads(engines.tp1_threads)  # (threads are the process's, not an engine's)
+    try:
+        run = run_greedy(engines.tp1, prompts, output_len)
+    finally:
+        torch.set_num_threads(engines.rank_threads)
+    result = {"tp1_tok_s": run.tok_s, "tp1_threads": engines.tp1_threads}
     for channel, engine in engines.by_channel.items():
         followers = engine.followers
         stats = followers.group.stats
@@ -70,8 +85,9 @@ def tp_round(engines: TPEngines, prompts: list[list[int]], output_len: int) -> d
 
 def summarize_tp(r: dict[str, Any], tp: int, channels: list[str]) -> list[str]:
     lines = [f"  tensor parallelism: {tp} ranks ({r['config']['device']}; "
-             f"collectives: {'nccl' if r['config']['device'].startswith('cuda') else 'gloo'})",
-             f"    {'tp 1':<22}{r['tp1_tok_s']:8.1f} output tok/s"]
+             f"collectives: {_collectives(r['config']['device'])})",
+             f"    {'tp 1':<22}{r['tp1_tok_s']:8.1f} output tok/s   "
+             f"on {r['tp1_threads']:.0f} threads: every rank's together"]
     for channel in channels:
         k = f"tp_{channel}_"
         lines += [
@@ -84,3 +100,9 @@ def summarize_tp(r: dict[str, Any], tp: int, channels: list[str]) -> list[str]:
             f"logits' gather {r[k + 'gather_ms']:.2f} ms, {r[k + 'gather_kb']:.0f} KB a step",
         ]
     return lines
+
+
+def _collectives(device: str) -> str:
+    if device.startswith("cuda"):
+        return "NCCL"
+    return "all-reduce in shared memory, logits' gather over gloo"

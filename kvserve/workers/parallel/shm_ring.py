@@ -35,7 +35,7 @@ from kvserve.workers.parallel.group import RankFailed, TPGroup
 
 SLOTS = 4
 SLOT_BYTES = 1 << 20  # a step plan of 4096 tokens pickles to ~100 KB
-SPIN_S = 0.005
+SPIN_S = 0.05
 IDLE_SLEEP_S = 0.002
 _U64 = struct.Struct("<Q")
 _I64 = struct.Struct("<q")
@@ -114,7 +114,7 @@ class ShmRing:
             if time.monotonic() > deadline:
                 raise RankFailed(f"a tensor-parallel rank did not read its step messages "
                                  f"within {self.timeout_s:.0f} s")
-            time.sleep(0)
+            os.sched_yield()
 
     # -- ranks 1..N-1 ------------------------------------------------------------------------
     def recv(self) -> object:
@@ -126,7 +126,7 @@ class ShmRing:
         while _U64.unpack_from(self.buf, 0)[0] <= self.seq:
             now = time.monotonic()
             if now < spin_until:
-                time.sleep(0)
+                os.sched_yield()
                 continue
             time.sleep(pause)
             pause = min(pause * 2, IDLE_SLEEP_S)
