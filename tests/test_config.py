@@ -221,7 +221,8 @@ def test_kvserve_up_none_resets_a_config_files_value_and_an_absent_flag_keeps_it
 
 def test_eval_pool_default_is_the_named_one():
     actions = _engine_actions("eval", "recall")
-    assert set(actions) == {"model", "kv_cache_memory", "enable_prefix_caching", "max_num_seqs"}
+    assert set(actions) == {"model", "kv_cache_memory", "enable_prefix_caching", "max_num_seqs",
+                            "tensor_parallel_size", "tp_step_channel", "num_threads"}
     assert actions["kv_cache_memory"].default == ENTRY_POINT_DEFAULTS["eval"][
         "kv_cache_memory"].value
     args = build_parser().parse_args(["eval", "factuality"])

@@ -250,3 +250,24 @@ def test_targets_read_the_report_and_say_which_are_met():
     assert got == {"batch1_decode_vs_measured_bound": True, "tok_s_at_256_requests": False,
                    "tok_s_at_32_requests": True, "vs_generate_batch_at_256_requests": True,
                    "exactness_m": False, "exactness_n": None}
+
+
+def test_dry_run_runs_tensor_parallelism_on_cpu_ranks(dry_run):
+    """The dry run's tp section: tp 2 (two CPU processes) against tp 1, exact by vLLM's rule,
+    with the all-reduces counted per step (two per layer, one for the embedding)."""
+    result = dry_run[0]["sections"]["tensor_parallel"]["result"]
+    torch_run = result["torch"]
+    assert "error" not in torch_run, torch_run
+    assert not torch_run["tp2_vs_tp1"]["failed"]
+    run = torch_run["requests_4"]
+    assert run["tp1_tok_s"] > 0 and run["tp2_tok_s"] > 0
+    assert run["all_reduces_per_step"] == 2 * result["model"]["num_hidden_layers"] + 1
+    assert run["all_reduce_kb_per_step"] > 0
+
+
+def test_the_tp_section_skips_on_one_gpu_and_says_why(monkeypatch):
+    plan = dataclasses.replace(gpu_check.gpu_plan())
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    ctx = Context(plan, Report(Path("/dev/null"), {}), time.monotonic() + 60)
+    with pytest.raises(Skip, match="this device has 1 GPU; tensor parallelism needs 2"):
+        gpu_check.section_tensor_parallel(ctx, {})

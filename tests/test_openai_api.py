@@ -237,7 +237,9 @@ def test_a_client_that_disconnects_mid_stream_frees_its_request(local):
 
 def test_admission_refusal_is_429_with_retry_after(real_checkpoint):
     """One batch slot, one waiting place: a third concurrent request is refused with the
-    SDK's RateLimitError, and the two admitted ones finish."""
+    SDK's RateLimitError, and the two admitted ones finish. The first runs 160 tokens (over
+    1.5 s at the fastest decode these CPUs reach), so it is still running when the third comes
+    0.6 s later."""
     engine = LLMEngine(EngineConfig(kv_cache_memory=64 * 1024**2, device="cpu", max_num_seqs=1,
                                     max_waiting_requests=1), checkpoint=real_checkpoint)
     with http_server(engine) as served:
@@ -246,7 +248,7 @@ def test_admission_refusal_is_429_with_retry_after(real_checkpoint):
         def call() -> None:
             try:
                 results.append(served.client.completions.create(
-                    model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=48,
+                    model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=160,
                     temperature=0, extra_body={"ignore_eos": True}))
             except openai.RateLimitError as exc:
                 results.append(exc)

@@ -29,7 +29,11 @@ from kvserve.workers.parallel import shard
 from kvserve.workers.parallel.group import RankFailed, TPGroup, join_store, open_store
 from tests.helpers import assert_engine_idle, noisy_checkpoint, output_ids
 
-# 8 heads and 4 KV heads: tp 2 and 4 both divide them (as the issue's acceptance asks)
+# an engine at tp > 1 sets this process's torch threads (its share of the cores): each test
+# gets the worker's back
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+# 8 heads and 4 KV heads: tp 2 and 4 both divide them
 TP_SHAPE = {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 16}
 FAMILIES = ("llama", "qwen2", "mistral")
 
@@ -166,7 +170,8 @@ def _layer_case(rank: int, size: int, group: TPGroup, model_type: str) -> dict[s
 def _run_ranks(size: int, cases: list[tuple[str, bool]]) -> dict[tuple[str, bool], dict]:
     """`_layer_checks` in `size` processes over a real gloo group: rank 0's checks per case."""
     store_port = _free_port()
-    ctx = mp.get_context("forkserver")
+    ctx = mp.get_context("forkserver")  # the engine's ranks' server: torch imported once
+    ctx.set_forkserver_preload(["kvserve.workers.builder"])
     results = ctx.Queue()
     procs = [ctx.Process(target=_layer_checks, args=(r, size, store_port, cases, results),
                          daemon=True) for r in range(size)]
@@ -221,7 +226,7 @@ def _prompts(vocab: int) -> dict[str, list[int]]:
 
 def _tiny_engine(ckpt: LoadedCheckpoint, tp: int, **config: Any) -> LLMEngine:
     config = {"device": "cpu", "kv_cache_memory": 4 * 1024**2, "max_num_batched_tokens": 32,
-              "num_threads": 1, "tensor_parallel_size": tp, **config}
+              "tensor_parallel_size": tp, **config}
     return LLMEngine(EngineConfig(**config), checkpoint=ckpt)
 
 
@@ -314,10 +319,12 @@ def test_every_feature_under_tp2_equals_its_tp1_twin():
 # -- the default model at tp 3 ---------------------------------------------------------------
 @pytest.fixture(scope="module")
 def smollm2_tp3(real_checkpoint):
+    threads = torch.get_num_threads()
     engine = LLMEngine(EngineConfig(device="cpu", kv_cache_memory=256 * 1024**2,
                                     tensor_parallel_size=3), checkpoint=real_checkpoint)
     yield engine
     engine.shutdown()
+    torch.set_num_threads(threads)
 
 
 @pytest.mark.slow
@@ -412,3 +419,68 @@ def _zombie(pid: int) -> bool:
             return f.read().split()[2] == "Z"
     except FileNotFoundError:
         return True
+
+
+RANK0_SCRIPT = """
+import time
+from kvserve.workers.config import EngineConfig
+from kvserve.workers.engine import LLMEngine
+from tests.helpers import noisy_checkpoint
+ckpt = noisy_checkpoint("llama", num_attention_heads=8, num_key_value_heads=4, head_dim=16)
+engine = LLMEngine(EngineConfig(device="cpu", kv_cache_memory=4 * 1024**2, num_threads=1,
+                                tensor_parallel_size=2), checkpoint=ckpt)
+print(*engine.rank_pids(), flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.slow
+def test_the_ranks_end_when_rank_0_is_killed():
+    """No rank outlives its engine's process, however that process ends: here SIGKILL, so no
+    stop message and no atexit hook; the ranks notice that rank 0's store is gone."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    shm = _shm()
+    rank0 = subprocess.Popen([sys.executable, "-c", RANK0_SCRIPT], stdout=subprocess.PIPE,
+                             text=True, cwd=Path(__file__).resolve().parent.parent)
+    try:
+        pids = [int(p) for p in rank0.stdout.readline().split()]
+        assert len(pids) == 1 and _running(pids[0])
+    finally:
+        rank0.kill()
+        rank0.wait()
+    gone = poll_until(lambda: not any(_running(p) for p in pids), 10)
+    assert gone, f"rank processes {pids} still run 10 s after rank 0 was killed"
+    assert _shm() <= shm
+
+
+def poll_until(done, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def _running(pid: int) -> bool:
+    return os.path.exists(f"/proc/{pid}") and not _zombie(pid)
+
+
+@pytest.mark.slow
+def test_the_cli_takes_tp_everywhere_and_refuses_an_indivisible_size_in_one_line(capsys):
+    """`-tp N` on generate, up, bench throughput and eval; SmolLM2 at tp 2 is one line, exit
+    2, naming the setting and the sizes that would work."""
+    from kvserve.cli import build_parser, main
+
+    parser = build_parser()
+    for argv in (["generate", "x"], ["up"], ["bench", "throughput"], ["eval", "recall"]):
+        args = parser.parse_args([*argv, "-tp", "3"])
+        assert args.tensor_parallel_size == 3, argv
+    assert main(["generate", "Hi", "-tp", "2", "--max-tokens", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("kvserve: invalid engine setting: tensor_parallel_size 2 does not divide "
+                   "num_attention_heads 9 of SmolLM2-135M-Instruct: each rank holds an equal "
+                   "share of it; sizes that divide it: 1, 3, 9"), err

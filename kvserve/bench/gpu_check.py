@@ -21,6 +21,11 @@ rewritten after every section so that a run cut short still leaves what it measu
    `generate_batch` and batched `generate()`; batch-1 decode against the HBM bound (graphs and
    eager); one decode step's time split into schedule / prepare / model / sample, and its
    host time against the GPU's busy time (torch.profiler); the check's targets, met or not.
+5. tensor_parallel, on a device with two or more GPUs (it says why it skipped otherwise): a
+   random model of Llama-3.2-1B's shape at tp 2 against tp 1, bf16 greedy by vLLM's rule, and
+   tok/s at 32 and 256 requests with the all-reduces' time and bytes per step (NCCL); eager and
+   with CUDA graphs (the all-reduce captured inside them). The dry run runs it on the CPU, tp 2
+   over gloo and shared memory.
 
 Every section is isolated: one that fails records its error and traceback, and the rest run.
 No files are read from outside the repository: models are random, the tokenizer is built in
@@ -53,7 +58,7 @@ import torch
 from kvserve.workers.config import output_dir
 
 REPO = Path(__file__).resolve().parents[2]
-SECTIONS = ("gpu_tests", "exactness", "flash_checks", "throughput")
+SECTIONS = ("gpu_tests", "exactness", "flash_checks", "throughput", "tensor_parallel")
 # H200 SXM's HBM3e bandwidth, NVIDIA's spec sheet: 4.8 TB/s. The batch-1 decode bound is the
 # decode step's weight bytes read once at this rate; the measured copy bandwidth sits beside it
 # (a copy reaches ~85-90 % of the spec on Hopper).
@@ -108,6 +113,10 @@ class Plan:
     gpu_test_marker: str = "gpu"  # which tests the gpu_tests section runs
     # attention backends of the exactness section (EXACT_BACKENDS' keys)
     exact_backends: tuple[str, ...] = ("torch", "flash_attn", "triton", "triton_graphs")
+    # the tensor_parallel section: its model, request counts, and (exactness backend, tp) runs
+    tp_shape: dict[str, Any] = field(default_factory=dict)
+    tp_requests: tuple[int, ...] = (32, 256)
+    tp_backends: tuple[str, ...] = ("triton", "triton_graphs")
 
 
 def gpu_plan() -> Plan:
@@ -126,8 +135,10 @@ def gpu_plan() -> Plan:
         bench_max_batched_tokens=4096, bench_kv_bytes=16 * 1024**3, run_cap_s=45.0,
         copy_bytes=2 * 1024**3,
         # throughput runs last and gets the rest: at least 470 - 340 = 130 s of the default budget
+        # tensor_parallel runs last (on a one-GPU device it skips at once)
         section_caps_s={"gpu_tests": 120, "exactness": 190, "flash_checks": 30},
         gpu_test_marker="gpu or triton",
+        tp_shape={**LLAMA_1B_SHAPE, "initializer_range": TINY_INIT},
     )
 
 
@@ -151,6 +162,10 @@ def dry_run_plan() -> Plan:
         # no triton: under Triton's interpreter one model's run takes ~15-30 s of CI; the
         # engine's triton path, graphs' static buffers included, is tests/test_cuda_graphs.py's
         exact_backends=("torch", "flash_attn"),
+        tp_shape=dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=32, intermediate_size=256,
+                      vocab_size=4096, initializer_range=TINY_INIT),
+        tp_requests=(4,), tp_backends=("torch",),
     )
 
 
@@ -705,6 +720,71 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+# -- 5. tensor parallelism ------------------------------------------------------------------
+
+
+def section_tensor_parallel(ctx: Context, out: dict[str, Any]) -> None:
+    """tp 2 against tp 1 on one model: exactness (vLLM's rule), tok/s, and per step the
+    all-reduces' time and bytes. On CUDA it needs two GPUs; the dry run's ranks are CPU
+    processes (gloo, the all-reduces in shared memory)."""
+    from kvserve.bench.common import make_prompts, run_greedy
+    from kvserve.bench.exactness import compare, engine_greedy, summary
+
+    plan = ctx.plan
+    if plan.device == "cuda" and torch.cuda.device_count() < 2:
+        raise Skip(f"this device has {torch.cuda.device_count()} GPU; tensor parallelism "
+                   "needs 2")
+    out["model"] = {k: v for k, v in plan.tp_shape.items() if k != "initializer_range"}
+    _, ckpt = random_model(plan.tp_shape, plan.device)
+    prompts = random_prompts(ckpt.config.vocab_size, plan.exact_prompt_lens[:4])
+    for backend in plan.tp_backends:
+        attention, eager = EXACT_BACKENDS[backend]
+        res: dict[str, Any] = {}
+        out[backend] = res
+        engines: dict[int, Any] = {}
+        try:
+            for tp in (1, 2):
+                ctx.say(f"tensor_parallel: {backend}, tp {tp}")
+                engines[tp] = make_engine(ckpt, plan.device, attention, eager,
+                                          kv_cache_memory=plan.exact_kv_bytes,
+                                          max_num_seqs=max(plan.tp_requests),
+                                          tensor_parallel_size=tp)
+            ref = engine_greedy(engines[1], prompts, plan.exact_new_tokens, concurrent=True)
+            ours = engine_greedy(engines[2], prompts, plan.exact_new_tokens, concurrent=True)
+            res["tp2_vs_tp1"] = summary(compare(ours, ref))
+            ctx.save()
+            stats = engines[2].followers.group.stats
+            for n in plan.tp_requests:
+                batch = make_prompts(ckpt.config.vocab_size, n, plan.bench_prompt_len)
+                run: dict[str, Any] = {}
+                for tp, engine in engines.items():
+                    stats.reset()
+                    result = run_greedy(engine, batch, plan.bench_output_len,
+                                        cap_s=plan.run_cap_s)
+                    run[f"tp{tp}_tok_s"] = result.tok_s
+                    run[f"tp{tp}_truncated"] = result.truncated
+                    if tp == 2:
+                        steps = max(1, result.steps)
+                        run["all_reduces_per_step"] = stats.calls.get("all_reduce", 0) / steps
+                        # host time: on CUDA a collective is enqueued, the wait is the stream's
+                        run["all_reduce_host_ms_per_step"] = (
+                            1e3 * stats.seconds.get("all_reduce", 0.0) / steps)
+                        run["all_reduce_kb_per_step"] = stats.bytes.get("all_reduce", 0) / \
+                            steps / 1e3
+                run["tp2_vs_tp1"] = run["tp2_tok_s"] / run["tp1_tok_s"]
+                res[f"requests_{n}"] = run
+                ctx.save()
+        except Exception as exc:  # one backend failing leaves the other's results
+            res["error"] = f"{type(exc).__name__}: {exc}"[:1000]
+            res["traceback"] = traceback.format_exc()[-3000:]
+        finally:
+            for engine in engines.values():
+                engine.shutdown()
+            engines.clear()
+            _free_memory()
+        ctx.save()
+
+
 # -- the targets ----------------------------------------------------------------------------
 
 TARGET_SHAPE = "llama_3.2_1b_shape"
@@ -752,6 +832,7 @@ def targets(sections: dict[str, Any]) -> dict[str, Any]:
 SECTION_FUNCTIONS: dict[str, Section] = {
     "gpu_tests": section_gpu_tests, "exactness": section_exactness,
     "flash_checks": section_flash_checks, "throughput": section_throughput,
+    "tensor_parallel": section_tensor_parallel,
 }
 
 

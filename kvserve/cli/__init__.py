@@ -18,7 +18,7 @@ from kvserve.cli.loadtest import add_loadtest
 from kvserve.cli.prepare import add_prepare
 from kvserve.cli.serve import add_serve_commands
 from kvserve.cli.trace import add_trace
-from kvserve.workers.errors import ModelNotFoundError
+from kvserve.workers.errors import EngineConfigError, ModelNotFoundError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,6 +31,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.run(args)
     except ModelNotFoundError as exc:  # a user's typo: one line, not a traceback
         print(f"kvserve: {exc}", file=sys.stderr)
+        return 2
+    except EngineConfigError as exc:  # a setting the model cannot run with
+        print(f"kvserve: invalid engine setting: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM where a command turns it into one
         print("kvserve: interrupted", file=sys.stderr)

@@ -30,7 +30,8 @@ def _add_common(p: argparse.ArgumentParser, out: str, samples_help: str) -> None
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     # the in-process engine's model and pool (eval's own default: kvserve.workers.config)
     add_engine_args(p, "eval", only=("model", "kv_cache_memory", "enable_prefix_caching",
-                                     "max_num_seqs"))
+                                     "max_num_seqs", "tensor_parallel_size",
+                                     "tp_step_channel", "num_threads"))
 
 
 def _add_recall(evals) -> None:

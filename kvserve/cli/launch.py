@@ -88,7 +88,9 @@ def start(config: AppConfig, grpc_port: int, fate_share: bool,
     address = os.environ.get("RAY_ADDRESS") or None
     if address is None:
         replicas = config.autoscaling.max_replicas if config.autoscaling else config.replicas
-        cpus = nodes.cpus_per_node(replicas * config.num_cpus_per_replica)
+        # a tensor-parallel replica's placement group holds a bundle per rank
+        cpus = nodes.cpus_per_node(replicas * config.num_cpus_per_replica
+                                   * config.tensor_parallel_size)
         taken = {grpc_port, http_port}  # Serve binds them only once Ray is up
         state = local_head.start_head(cpus, fate_share=fate_share,  # stops it if interrupted
                                       num_gpus=nodes.gpus_per_node, dashboard=nodes.dashboard,

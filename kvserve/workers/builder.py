@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -110,9 +111,11 @@ def build_engine_parts(config: EngineConfig, checkpoint: LoadedCheckpoint | None
     """The parts for `config`; `checkpoint` replaces loading `config.model`, and
     `draft_checkpoint` loading `config.draft_model`; `rank_launcher` starts the tensor-parallel
     ranks 1..N-1 (local processes by default; a Serve replica's are Ray actors)."""
+    device = resolve_device(config.device)
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
-    device = resolve_device(config.device)
+    elif config.tensor_parallel_size > 1 and device.type == "cpu":  # the cores shared by rank
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tensor_parallel_size))
     dtype = resolve_dtype(config.dtype, device)
     # on a new machine the kernel build (a compiler in subprocesses) and the model's first
     # conversion (Python, mostly one core) take ~20 s each: side by side, not one after the

@@ -73,3 +73,17 @@ class ModelNotFoundError(FileNotFoundError):
 
     def __reduce__(self):
         return type(self), (self.model, self.reason)
+
+
+class EngineConfigError(ValueError):
+    """An engine setting this model cannot run with (e.g. a tensor_parallel_size that does not
+    divide its heads), found once the model's config is read: `field` names the setting, and
+    the CLI says it in one line (exit 2), as it does a setting out of range."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+        self.message = message
+
+    def __reduce__(self):
+        return type(self), (self.field, self.message)

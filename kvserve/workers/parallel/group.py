@@ -80,14 +80,17 @@ class TPGroup:
     rank: this process's rank (0 decides); size: tensor_parallel_size."""
 
     def __init__(self, store: dist.Store, rank: int, size: int, device: torch.device,
-                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+                 timeout_s: float = DEFAULT_TIMEOUT_S, shm_all_reduce: bool = True) -> None:
+        """`shm_all_reduce`: on a CPU, all-reduce through shared memory (False: gloo's, for
+        the collectives benchmark)."""
         self.rank, self.size, self.device = rank, size, device
         self.store = store  # rank 0's serves the others' rendezvous: kept as long as the group
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.stats = CollectiveStats()
         self.cpu = _gloo(dist.PrefixStore("cpu/", store), rank, size, self.timeout)
         self.shm: ShmAllReduce | None = None  # the CPU ranks' all-reduce (shm_all_reduce.py)
-        if device.type == "cpu" and os.path.isdir("/dev/shm") and os.path.isdir("/proc"):
+        if (shm_all_reduce and device.type == "cpu" and os.path.isdir("/dev/shm")
+                and os.path.isdir("/proc")):
             self.shm = _open_shm_all_reduce(store, rank, size, timeout_s)
         if device.type == "cuda":
             options = dist.ProcessGroupNCCL.Options()

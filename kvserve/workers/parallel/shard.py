@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from kvserve.workers.errors import EngineConfigError
+
 if TYPE_CHECKING:
     import torch
 
@@ -32,7 +34,8 @@ def check_divisible(config: Any, tp: int, name: str | None = None) -> None:
     """Refuse a tp size the model (`name`) cannot be split by, naming the field and the numbers
     (SmolLM2-135M: 9 heads and 3 KV heads, so tp 3 works and tp 2 does not)."""
     if tp < 1:
-        raise ValueError(f"tensor_parallel_size must be positive, not {tp}")
+        raise EngineConfigError("tensor_parallel_size", f"tensor_parallel_size must be "
+                                                        f"positive, not {tp}")
     if tp == 1:
         return
     name = name or getattr(config, "name_or_path", "") or f"this {config.model_type} model"
@@ -41,9 +44,10 @@ def check_divisible(config: Any, tp: int, name: str | None = None) -> None:
         value = getattr(config, field)
         if value % tp:
             divisors = [d for d in range(1, value + 1) if value % d == 0 and d <= 64]
-            raise ValueError(
-                f"tensor_parallel_size {tp} does not divide {field} {value} of {name}: each rank "
-                f"holds an equal share of it; sizes that divide it: "
+            raise EngineConfigError(
+                "tensor_parallel_size",
+                f"tensor_parallel_size {tp} does not divide {field} {value} of {name}: each "
+                f"rank holds an equal share of it; sizes that divide it: "
                 f"{', '.join(map(str, divisors))}")
 
 

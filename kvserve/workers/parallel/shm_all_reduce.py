@@ -10,9 +10,9 @@ double-buffered by call number: a rank one call ahead writes the other buffer, a
 two ahead, since its next call waits for every rank to publish. A tensor larger than a slot goes
 over gloo.
 
-Waiting spins (yielding the core) and, every POLL_S, checks that the other ranks' processes are
-still there, so a dead rank fails the collective within milliseconds, as a closed gloo socket
-would, and a hung one after the group's timeout.
+Waiting spins briefly, then polls off the core (`backoff.Backoff`) and, every POLL_S, checks
+that the other ranks' processes are still there, so a dead rank fails the collective within
+milliseconds, as a closed gloo socket would, and a hung one after the group's timeout.
 """
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ import contextlib
 import mmap
 import os
 import struct
-import time
 
 import torch
+
+from kvserve.workers.parallel.backoff import Backoff
 
 SLOT_BYTES = 8 << 20  # [tokens, hidden] fp32: 512 tokens x 4096 wide
 POLL_S = 0.05
@@ -75,18 +76,18 @@ class ShmAllReduce:
     def _wait_all(self, call: int) -> None:
         from kvserve.workers.parallel.group import RankFailed  # (group imports this module)
 
-        checked = start = time.monotonic()
+        backoff = Backoff()
+        checked = 0.0
         for rank in range(self.size):
             while _U64.unpack_from(self.buf, rank * _HEADER)[0] < call:
-                os.sched_yield()
-                now = time.monotonic()
-                if now - checked > POLL_S:
-                    checked = now
+                waited = backoff.pause()
+                if waited - checked > POLL_S:
+                    checked = waited
                     pid = _U64.unpack_from(self.buf, rank * _HEADER + 8)[0]
                     if not _running(pid):
                         raise RankFailed(f"tensor-parallel rank {rank}/{self.size} (pid {pid}) "
                                          "is gone")
-                    if now - start > self.timeout_s:
+                    if waited > self.timeout_s:
                         raise RankFailed(f"tensor-parallel rank {rank}/{self.size} did not "
                                          f"reach the all-reduce within {self.timeout_s:.0f} s")
 

@@ -14,9 +14,9 @@ waits for the sequence to pass its own, copies the payload out and bumps its cou
 counter has one writer. x86's stores reach other cores in program order, so a reader that sees
 a sequence sees the payload before it; other CPUs would need fences here.
 
-A reader polls: it spins (yielding the core) for SPIN_S after each message, the gap at which
-the next step's plan comes while requests run, then sleeps with a growing pause up to
-IDLE_SLEEP_S; with fewer cores than ranks it does not spin. A message larger than a slot goes
+A reader waits as `backoff.Backoff` says: on the core for SPIN_S (not at all with fewer cores
+than ranks), then off it, polling every ~50 us for the next step's plan, and once idle with a
+growing pause up to IDLE_SLEEP_S. A message larger than a slot goes
 over the gloo group instead (a marker in the ring says so). The segment is unlinked as soon as
 every reader has mapped it, so nothing is left in /dev/shm whatever ends the processes.
 """
@@ -29,13 +29,13 @@ import os
 import pickle
 import struct
 import tempfile
-import time
 
+from kvserve.workers.parallel.backoff import Backoff
 from kvserve.workers.parallel.group import RankFailed, TPGroup
 
 SLOTS = 4
 SLOT_BYTES = 1 << 20  # a step plan of 4096 tokens pickles to ~100 KB
-SPIN_S = 0.05
+SPIN_S = 200e-6
 IDLE_SLEEP_S = 0.002
 _U64 = struct.Struct("<Q")
 _I64 = struct.Struct("<q")
@@ -61,8 +61,7 @@ class ShmRing:
             os.close(fd)
         self.buf = memoryview(self.memory)
         self.seq = 0  # messages sent (rank 0) or read (the others)
-        # spin only where every rank can have a core: on fewer cores a spinning reader takes
-        # the core a rank still computing needs
+        # spin (briefly) only where every rank can have a core
         self.spin_s = SPIN_S if len(os.sched_getaffinity(0)) >= group.size else 0.0
 
     @classmethod
@@ -108,30 +107,23 @@ class ShmRing:
     def _wait_readers(self, seq: int) -> None:
         if seq <= 0:
             return
-        deadline = time.monotonic() + self.timeout_s
+        backoff = Backoff()
         offsets = [8 * (1 + r) for r in range(self.readers)]
         while any(_U64.unpack_from(self.buf, o)[0] < seq for o in offsets):
-            if time.monotonic() > deadline:
+            if backoff.pause() > self.timeout_s:
                 raise RankFailed(f"a tensor-parallel rank did not read its step messages "
                                  f"within {self.timeout_s:.0f} s")
-            os.sched_yield()
 
     # -- ranks 1..N-1 ------------------------------------------------------------------------
     def recv(self) -> object:
         """The next message; waits as long as rank 0 sends none, and raises RankFailed once
         rank 0 is gone (its store no longer answers)."""
-        spin_until = time.monotonic() + self.spin_s
-        pause = 1e-5
-        checked = time.monotonic()
+        backoff = Backoff(longest_s=IDLE_SLEEP_S, spin_s=self.spin_s)
+        checked = 0.0
         while _U64.unpack_from(self.buf, 0)[0] <= self.seq:
-            now = time.monotonic()
-            if now < spin_until:
-                os.sched_yield()
-                continue
-            time.sleep(pause)
-            pause = min(pause * 2, IDLE_SLEEP_S)
-            if now - checked > 1.0:  # idle: is rank 0 still there?
-                checked = now
+            waited = backoff.pause()
+            if waited - checked > 1.0:  # idle: is rank 0 still there?
+                checked = waited
                 self.group.check_first_alive()
         slot = self._slot(self.seq)
         length = _I64.unpack_from(self.buf, slot)[0]
