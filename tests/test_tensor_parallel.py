@@ -293,17 +293,19 @@ def _run_features(engine: LLMEngine, requests: list[dict[str, Any]]) -> list[lis
 @pytest.mark.slow
 def test_every_feature_under_tp2_equals_its_tp1_twin():
     """Prefix hits, chunked prefill, a pool too small for the batch (preemption, swapped to
-    the host tier and back), seeded sampling and structured outputs, all in one run."""
+    the host tier and back), seeded sampling, structured outputs and n-gram speculation, all
+    in one run."""
     ckpt = noisy_checkpoint("llama", **TP_SHAPE)
     requests = _feature_requests(ckpt.config.vocab_size)
     settings = {"enable_prefix_caching": True, "num_kv_blocks": 20, "num_host_kv_blocks": 64,
-                "max_num_seqs": 8, "kv_cache_memory": None}
+                "max_num_seqs": 8, "kv_cache_memory": None, "speculative_method": "ngram"}
     twin = _tiny_engine(ckpt, 1, **settings)
     expected = _run_features(twin, requests)
     engine = _tiny_engine(ckpt, 2, **settings)
     try:
         got = _run_features(engine, requests)
         kv = engine.kv_stats()
+        assert engine.spec_stats == twin.spec_stats
         assert_engine_idle(engine)
     finally:
         engine.shutdown()
@@ -311,6 +313,7 @@ def test_every_feature_under_tp2_equals_its_tp1_twin():
     assert kv.prefix_hit_tokens > 0 and kv.preemptions > 0
     assert kv.blocks_swapped_out > 0 and kv.blocks_swapped_in > 0
     assert twin.kv_stats().preemptions == kv.preemptions  # the same schedule, step for step
+    assert engine.spec_stats.num_accepted_tokens > 0  # drafts verified on every rank
     texts = [engine.detokenize([t for t in ids if t not in engine.eos_token_ids])
              for ids in got[6:]]
     assert texts[0] in ("yes", "no") and texts[1].startswith('{"a"'), texts
@@ -484,3 +487,59 @@ def test_the_cli_takes_tp_everywhere_and_refuses_an_indivisible_size_in_one_line
     assert err == ("kvserve: invalid engine setting: tensor_parallel_size 2 does not divide "
                    "num_attention_heads 9 of SmolLM2-135M-Instruct: each rank holds an equal "
                    "share of it; sizes that divide it: 1, 3, 9"), err
+
+
+@pytest.mark.slow
+def test_a_draft_model_runs_whole_on_rank_0_under_tp2():
+    """speculative_method draft_model with the target as its own draft: under tp the target's
+    weights are split, so rank 0 builds the draft whole; the outputs are tp 1's."""
+    ckpt = noisy_checkpoint("llama", **TP_SHAPE)
+    prompts = list(_prompts(ckpt.config.vocab_size).values())
+    requests = [{"prompt_token_ids": p, "params": {"temperature": 0.0, "max_tokens": 16,
+                                                   "ignore_eos": True}} for p in prompts]
+    twin = _tiny_engine(ckpt, 1, speculative_method="draft_model")
+    expected = [output_ids(o) for o in twin.generate_all(requests).values()]
+    engine = _tiny_engine(ckpt, 2, speculative_method="draft_model")
+    try:
+        assert engine.model.tp is not None and engine.proposer.runner.model.tp is None
+        got = [output_ids(o) for o in engine.generate_all(requests).values()]
+    finally:
+        engine.shutdown()
+    assert got == expected
+    assert engine.spec_stats.num_accepted_tokens > 0
+
+
+@pytest.mark.slow
+def test_the_tp_bench_times_tp1_and_both_step_channels_per_step():
+    """kvserve bench throughput -tp N's part (kvserve/bench/tensor_parallel.py) on a tiny
+    model: every figure there, for each channel, counted per step."""
+    from kvserve.bench.tensor_parallel import summarize_tp, tp_engines, tp_round
+
+    ckpt = noisy_checkpoint("llama", **TP_SHAPE)
+    config = EngineConfig(device="cpu", kv_cache_memory=4 * 1024**2, tensor_parallel_size=2)
+    engines = tp_engines(config, LLMEngine(config, checkpoint=ckpt), checkpoint=ckpt)
+    try:
+        prompts = list(_prompts(ckpt.config.vocab_size).values())
+        result = tp_round(engines, prompts, 8)
+    finally:
+        engines.shutdown()
+    assert result["tp1_tok_s"] > 0
+    for channel in ("shm", "gloo"):
+        k = f"tp_{channel}_"
+        assert result[k + "tok_s"] > 0 and result[k + "steps"] >= 8
+        assert result[k + "all_reduces_per_step"] == 2 * 2 + 1  # two a layer, the embedding's
+        assert result[k + "all_reduce_kb"] > 0 and result[k + "gather_kb"] > 0
+        assert 0 < result[k + "plan_latency_ms"] <= result[k + "plan_latency_max_ms"]
+    text = "\n".join(summarize_tp({**result, "config": {"device": "cpu"}}, 2, ["shm", "gloo"]))
+    assert "tp 2, plans by shm" in text and "tp 2, plans by gloo" in text
+
+
+@pytest.mark.slow
+def test_the_collectives_bench_reports_every_size_for_both_paths():
+    from kvserve.bench.collectives import ALL_REDUCE_ROWS, PLAN_ROWS, run, summarize
+
+    report = run(2, iters=5)
+    for key, rows in (("all_reduce_us", ALL_REDUCE_ROWS), ("plan_us", PLAN_ROWS)):
+        for kind in ("shm", "gloo"):
+            assert all(report[key][kind][r] > 0 for r in rows), (key, kind, report)
+    assert "shared memory" in summarize(report)

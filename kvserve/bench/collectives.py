@@ -20,8 +20,6 @@ from typing import Any
 
 import torch
 
-from kvserve.workers.model_executor.model_runner import StepPlan
-from kvserve.workers.model_executor.rope import RopeSpan
 from kvserve.workers.parallel.group import TPGroup, join_store, open_store
 from kvserve.workers.parallel.ranks import GlooChannel
 from kvserve.workers.parallel.shm_ring import ShmRing
@@ -31,11 +29,13 @@ HIDDEN = 576
 PLAN_ROWS = (1, 32, 256)
 
 
-def decode_plan(rows: int, blocks: int = 12) -> StepPlan:
-    """A decode step's plan for `rows` requests with their own block tables."""
-    return StepPlan(list(range(rows)), [180] * rows, list(range(rows)),
-                    [(list(range(r, r + blocks)), 180) for r in range(rows)], [],
-                    list(range(rows)), [RopeSpan(179, 1, 128) for _ in range(rows)])
+def decode_plan(rows: int, blocks: int = 12) -> tuple:
+    """What a decode step's plan (`StepPlan`) for `rows` requests, each with its own block
+    table, holds, as plain lists: token ids, positions, slots, (table, length) per decode,
+    prefills, logits rows and RoPE spans."""
+    return (list(range(rows)), [180] * rows, list(range(rows)),
+            [(list(range(r, r + blocks)), 180) for r in range(rows)], [], list(range(rows)),
+            [(179, 1, 128) for _ in range(rows)])
 
 
 def _rank(rank: int, size: int, port: int, iters: int, results: Any) -> None:

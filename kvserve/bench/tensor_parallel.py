@@ -21,6 +21,7 @@ import torch
 from kvserve.bench.common import run_greedy
 from kvserve.workers.config import TP_STEP_CHANNELS, EngineConfig
 from kvserve.workers.engine import LLMEngine
+from kvserve.workers.model_executor.loader import LoadedCheckpoint
 
 
 @dataclasses.dataclass
@@ -35,16 +36,19 @@ class TPEngines:
             engine.shutdown()
 
 
-def tp_engines(config: EngineConfig, engine: LLMEngine) -> TPEngines:
+def tp_engines(config: EngineConfig, engine: LLMEngine,
+               checkpoint: LoadedCheckpoint | None = None) -> TPEngines:
     """`engine` (tp N, built from `config`), a tp 1 twin and a tp N twin on the other
-    channel."""
+    channel (`checkpoint`: as `engine` was given it)."""
     other = next(c for c in TP_STEP_CHANNELS if c != config.tp_step_channel)
     rank_threads = torch.get_num_threads()
     tp = config.tensor_parallel_size
-    twin = LLMEngine(dataclasses.replace(config, tensor_parallel_size=1, num_threads=None))
+    twin = LLMEngine(dataclasses.replace(config, tensor_parallel_size=1, num_threads=None),
+                     checkpoint=checkpoint)
     engines = TPEngines(
         twin, {config.tp_step_channel: engine,
-               other: LLMEngine(dataclasses.replace(config, tp_step_channel=other))},
+               other: LLMEngine(dataclasses.replace(config, tp_step_channel=other),
+                                checkpoint=checkpoint)},
         tp1_threads=min(os.cpu_count() or 1, rank_threads * tp), rank_threads=rank_threads)
     torch.set_num_threads(rank_threads)
     return engines

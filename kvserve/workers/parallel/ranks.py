@@ -4,16 +4,18 @@
 Rank 0 lives in the engine's process and alone decides: it schedules, samples and owns the
 block manager, the prefix cache and the host tier. Each other rank holds its slice of the model
 and of every KV block, and runs exactly what rank 0 sends it, in order: a step's KV copies
-(`KVCopyPlan`), a step's batch (`StepPlan`), or the stop. One message per call, broadcast over
-the group's CPU (gloo) link; the model's all-reduces and the LM head's gather then run inside
-the forward pass on every rank at once.
+(`KVCopyPlan`), a step's batch (`StepPlan`), or the stop. One message per call, over the
+engine's step channel (`tp_step_channel`: the shared-memory ring, or broadcasts over the
+group's gloo link); the model's all-reduces and the LM head's gather then run inside the
+forward pass on every rank at once.
 
-What fails how: a rank that raises or dies closes its sockets, so the collective rank 0 is in
-fails within milliseconds (`RankFailed`), the step raises, and the engine above ends its
+What fails how: a rank that raises or dies leaves the collective rank 0 is in within
+milliseconds (its gloo sockets close; a shared-memory peer checks that its process is there),
+so that collective fails (`RankFailed`), the step raises, and the engine above ends its
 streams; a rank that hangs fails it after the group's timeout. When rank 0 goes, the others'
-wait for the next message fails the same way and they exit; they are daemon processes of rank
-0's as well, and `Followers.close` (the engine's shutdown, its garbage collection, or the
-interpreter's exit) stops them.
+next read fails (gloo), or their idle check of rank 0's store does (shm), and they exit;
+`Followers.close` (the engine's shutdown, its garbage collection, or the interpreter's exit)
+stops them.
 """
 
 from __future__ import annotations
