@@ -102,7 +102,9 @@ def _fail_mid_stream(served, fault) -> tuple[grpc.RpcError, float, str]:
     return err.value, time.monotonic() - at, row["replica_id"]
 
 
-def _assert_replaced(served, victim: str, expected: list[int]) -> None:
+def _assert_replaced(served, victim: str, expected: list[int]) -> dict:
+    """The replacement's status row, once it serves what the first replica did."""
+
     def replaced(rows: list[dict]) -> bool:
         return (len(rows) == 1 and rows[0]["replica_id"] != victim
                 and _replica_states(served.app) == {"RUNNING": 1})
@@ -112,6 +114,7 @@ def _assert_replaced(served, victim: str, expected: list[int]) -> None:
     assert len(rows[0]["rank_pids"]) == 1  # the new replica's own rank 1
     assert _greedy(served) == expected
     assert find_problems(served.handle, _manager(served), attempts=30) == []
+    return rows[0]
 
 
 def _manager(served):
@@ -122,7 +125,6 @@ def _manager(served):
 
 def test_a_tp2_replica_streams_over_grpc_and_http_and_recovers_from_a_dead_rank(
         model_dir, expected):
-    shm_before = set(os.listdir("/dev/shm"))
     groups_before = len(_placement_groups())
     with serve_locally(_app(model_dir)) as served:
         # the replica's placement group: one bundle per rank, packed on one node
@@ -132,7 +134,7 @@ def test_a_tp2_replica_streams_over_grpc_and_http_and_recovers_from_a_dead_rank(
         assert group["strategy"] == "STRICT_PACK" and len(group["bundles"]) == 2, group
         row = _replica_rows(served.handle)[0]
         assert len(row["rank_pids"]) == 1 and row["rank_pids"][0] != row["pid"], row
-        rank_pids = [row["rank_pids"][0]]
+        rows = [row]  # every replica's, to check what each left behind
 
         assert _greedy(served) == expected  # gRPC, equal to the in-process tp 1 engine
         body = json.dumps({"model": str(model_dir), "prompt": PROMPT, "max_tokens": 12,
@@ -148,20 +150,22 @@ def test_a_tp2_replica_streams_over_grpc_and_http_and_recovers_from_a_dead_rank(
         assert error.code() == grpc.StatusCode.UNAVAILABLE, error
         assert "tensor-parallel rank" in error.details()
         assert waited < FAIL_WITHIN_S, waited
-        _assert_replaced(served, victim, expected)
+        rows.append(_assert_replaced(served, victim, expected))
 
         # an exception inside rank 1's forward
         error, waited, victim = _fail_mid_stream(
             served, lambda r: served.handle.admin.remote("fail_rank_step").result())
         assert error.code() == grpc.StatusCode.UNAVAILABLE, error
         assert waited < FAIL_WITHIN_S, waited
-        _assert_replaced(served, victim, expected)
-        rank_pids += _replica_rows(served.handle)[0]["rank_pids"]
-    # the app deleted: no rank actor, no placement group, nothing new in /dev/shm
+        rows.append(_assert_replaced(served, victim, expected))
+    # the app deleted: no rank actor, no placement group, no replica's segment in /dev/shm
     poll(lambda: len(_placement_groups()), lambda n: n == groups_before, 60)
     assert len(_placement_groups()) == groups_before
-    assert set(os.listdir("/dev/shm")) <= shm_before
-    assert not [p for p in rank_pids if _running(p)], rank_pids
+    left = [name for name in os.listdir("/dev/shm") for r in rows
+            if name.startswith((f"kvserve-tp-{r['pid']}-", f"kvserve-tp-all-reduce-{r['pid']}-"))]
+    assert not left, left
+    alive = [p for r in rows for p in [r["pid"], *r["rank_pids"]] if _running(p)]
+    assert not alive, (alive, rows)
 
 
 def _running(pid: int) -> bool:

@@ -173,11 +173,15 @@ class ModelRunner:
             if chunk.samples:
                 rows += range(len(ids) - 1 - len(chunk.drafts), len(ids))
                 sampling.append(chunk)
+        # each table cut to the blocks its chunk's context needs, one list per chunk: the plan
+        # a rank is sent carries what the kernels read, once
+        tables = {id(c): c.seq.block_table[:-(-(c.start + c.num_tokens) // self.block_size)]
+                  for c in ordered}
         plan = StepPlan(
             input_ids=ids, positions=positions, slots=slots,
-            decodes=[(c.seq.block_table, c.start + 1 + j) for c in decodes
+            decodes=[(tables[id(c)], c.start + 1 + j) for c in decodes
                      for j in range(c.num_tokens)],
-            prefills=[(c.seq.block_table, c.num_tokens, c.start + c.num_tokens) for c in prefills],
+            prefills=[(tables[id(c)], c.num_tokens, c.start + c.num_tokens) for c in prefills],
             logits_rows=rows,
             rope_spans=[RopeSpan(c.start, c.num_tokens, c.seq.num_prompt_tokens) for c in ordered],
         )

@@ -1,7 +1,8 @@
 """The CPU ranks' all-reduce through shared memory, as vLLM's CPU backend has one: gloo's takes
-~1 ms for a 2 KB tensor on the 2-core VMs here (a round trip through the loopback's TCP and two
-thread wake-ups per call), and a decode step makes two per layer: 60 ms a step for a 30-layer
-model, which no CPU step survives.
+0.4-1.1 ms for a 2 KB tensor on the 2-core VMs here (a round trip through the loopback's TCP and
+two thread wake-ups per call), and a decode step makes two per layer: 25-65 ms a step for a
+30-layer model, which no CPU step survives (`python -m kvserve.bench.collectives` measures
+both).
 
 Each rank copies its tensor into its own slot, publishes the call's number in its counter,
 waits until every rank's counter has it, then sums the slots in rank order into its tensor, so
