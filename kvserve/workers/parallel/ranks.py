@@ -21,7 +21,6 @@ stops them.
 from __future__ import annotations
 
 import contextlib
-import logging
 import multiprocessing
 import os
 import sys
@@ -44,8 +43,6 @@ if TYPE_CHECKING:
     from kvserve.workers.core.kv_events import KVCopyPlan
     from kvserve.workers.model_executor.loader import LoadedCheckpoint
     from kvserve.workers.model_executor.model_runner import StepPlan
-
-log = logging.getLogger(__name__)
 
 STOP = None  # the message that ends a rank's loop
 JOIN_TIMEOUT_S = 10.0
