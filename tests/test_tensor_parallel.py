@@ -548,3 +548,8 @@ def test_the_collectives_bench_reports_every_size_for_both_paths():
         for kind in ("shm", "gloo"):
             assert all(report[key][kind][r] > 0 for r in rows), (key, kind, report)
     assert "shared memory" in summarize(report)
+    # its ranks have exited: no segment of a process that is gone is left behind
+    stale = [n for n in os.listdir("/dev/shm") if n.startswith("kvserve-tp-")
+             and not _running(int(n.removeprefix("kvserve-tp-all-reduce-")
+                                  .removeprefix("kvserve-tp-").split("-")[0]))]
+    assert not stale, stale

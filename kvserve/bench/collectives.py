@@ -60,7 +60,9 @@ def _rank(rank: int, size: int, port: int, iters: int, results: Any) -> None:
                 store.set("bench-ring", channel.name)
             else:
                 channel = ShmRing.attach(store.get("bench-ring").decode(), group, 60)
-            group.min_int(0)
+            group.min_int(0)  # every rank has mapped it: the name can go
+            if rank == 0:
+                channel.unlink()
         else:
             channel = GlooChannel(group)
         for rows in PLAN_ROWS:
@@ -76,8 +78,6 @@ def _rank(rank: int, size: int, port: int, iters: int, results: Any) -> None:
             if rank == 1:
                 out["plan_us"].setdefault(kind, {})[rows] = 1e6 * statistics.median(waits)
             group.min_int(0)
-        if kind == "shm" and rank == 0:
-            channel.unlink()
     results.put((rank, out))
     time.sleep(0.5)
 
