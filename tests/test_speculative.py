@@ -385,7 +385,9 @@ def test_opt_out_usage_batch_size_limit_and_the_timeline(make):
     proposing = sum(r.propose_s for r in steps) / sum(r.seconds for r in steps)
     idle = sum(r.propose_s for r in plain.recent_steps()) / sum(
         r.seconds for r in plain.recent_steps())
-    assert proposing > 0.2 and idle < 0.02, (proposing, idle)  # 3 draft passes per step
+    # 3 draft passes per step: a share of their own (~0.36 on an idle core, about half that
+    # beside a busy pytest worker), where a proposer timed as part of "schedule" leaves ~0
+    assert proposing > 0.1 and proposing > 10 * idle and idle < 0.02, (proposing, idle)
     assert sum(r.schedule_s for r in steps) < sum(r.propose_s for r in steps)
 
     limited = make(**DRAFT, num_speculative_tokens=3, speculative_disable_by_batch_size=1)
