@@ -19,6 +19,7 @@ import grpc
 import pytest
 
 from kvserve.cluster.cache_check import find_problems
+from kvserve.process import pid_alive
 from kvserve.v1 import generation_pb2 as pb
 from kvserve.workers.config import EngineConfig
 from kvserve.workers.engine import LLMEngine
@@ -164,13 +165,6 @@ def test_a_tp2_replica_streams_over_grpc_and_http_and_recovers_from_a_dead_rank(
     left = [name for name in os.listdir("/dev/shm") for r in rows
             if name.startswith((f"kvserve-tp-{r['pid']}-", f"kvserve-tp-all-reduce-{r['pid']}-"))]
     assert not left, left
-    alive = [p for r in rows for p in [r["pid"], *r["rank_pids"]] if _running(p)]
+    alive = [p for r in rows for p in [r["pid"], *r["rank_pids"]] if pid_alive(p)]
     assert not alive, (alive, rows)
 
-
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False

@@ -20,6 +20,7 @@ import torch
 import torch.multiprocessing as mp
 
 from kvserve.bench.exactness import TOP_K, compare, engine_greedy, hf_greedy
+from kvserve.process import pid_alive
 from kvserve.workers.config import EngineConfig
 from kvserve.workers.engine import LLMEngine
 from kvserve.workers.model_executor.loader import LoadedCheckpoint
@@ -27,7 +28,7 @@ from kvserve.workers.model_executor.model import Linear
 from kvserve.workers.model_executor.tiny import tiny_config
 from kvserve.workers.parallel import shard
 from kvserve.workers.parallel.group import RankFailed, TPGroup, join_store, open_store
-from tests.helpers import assert_engine_idle, noisy_checkpoint, output_ids
+from tests.helpers import assert_engine_idle, noisy_checkpoint, output_ids, poll
 
 # an engine at tp > 1 sets this process's torch threads (its share of the cores): each test
 # gets the worker's back
@@ -393,7 +394,7 @@ def test_a_killed_rank_fails_the_next_step_within_seconds_and_leaves_nothing_beh
     assert time.monotonic() - start < 10
     engine.shutdown()
     assert not engine.followers.alive()
-    assert not os.path.exists(f"/proc/{pids[0]}") or _zombie(pids[0])
+    assert not pid_alive(pids[0])
     assert not _shm()
 
 
@@ -418,14 +419,6 @@ def test_an_exception_inside_a_ranks_forward_fails_the_step_and_ends_the_rank():
     followers.processes[0].join(10)
     assert followers.processes[0].exitcode == 1
     engine.shutdown()
-
-
-def _zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] == "Z"
-    except FileNotFoundError:
-        return True
 
 
 RANK0_SCRIPT = """
@@ -455,26 +448,15 @@ def test_the_ranks_end_when_rank_0_is_killed():
     try:
         line = rank0.stdout.readline()
         pids = [int(p) for p in line.split()]
-        assert len(pids) == 1 and _running(pids[0]), (line, rank0.poll())
+        assert len(pids) == 1 and pid_alive(pids[0]), (line, rank0.poll())
     finally:
         rank0.kill()
         _, err = rank0.communicate()
-    gone = poll_until(lambda: not any(_running(p) for p in pids), 10)
-    assert gone, f"rank processes {pids} still run 10 s after rank 0 was killed: {err[-2000:]}"
+    alive = poll(lambda: [p for p in pids if pid_alive(p)], lambda left: not left, 10, 0.1)
+    assert not alive, f"rank processes {pids} still run 10 s after rank 0 was killed: {err[-2000:]}"
     assert not _shm(rank0.pid)
 
 
-def poll_until(done, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not done():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
-
-
-def _running(pid: int) -> bool:
-    return os.path.exists(f"/proc/{pid}") and not _zombie(pid)
 
 
 @pytest.mark.slow
@@ -550,6 +532,6 @@ def test_the_collectives_bench_reports_every_size_for_both_paths():
     assert "shared memory" in summarize(report)
     # its ranks have exited: no segment of a process that is gone is left behind
     stale = [n for n in os.listdir("/dev/shm") if n.startswith("kvserve-tp-")
-             and not _running(int(n.removeprefix("kvserve-tp-all-reduce-")
+             and not pid_alive(int(n.removeprefix("kvserve-tp-all-reduce-")
                                   .removeprefix("kvserve-tp-").split("-")[0]))]
     assert not stale, stale
