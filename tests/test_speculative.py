@@ -9,6 +9,7 @@ speculation is in tests/test_greedy_exact.py.
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -382,13 +383,17 @@ def test_opt_out_usage_batch_size_limit_and_the_timeline(make):
     steps = spec.recent_steps()
     plain = make()
     plain.generate_all([{"prompt_token_ids": prompt, "params": {"temperature": 0.0}}])
-    proposing = sum(r.propose_s for r in steps) / sum(r.seconds for r in steps)
-    idle = sum(r.propose_s for r in plain.recent_steps()) / sum(
-        r.seconds for r in plain.recent_steps())
-    # 3 draft passes per step: a share of their own (~0.36 on an idle core, about half that
-    # beside a busy pytest worker), where a proposer timed as part of "schedule" leaves ~0
-    assert proposing > 0.1 and proposing > 10 * idle and idle < 0.02, (proposing, idle)
-    assert sum(r.schedule_s for r in steps) < sum(r.propose_s for r in steps)
+    # per step, so one step slowed by the other pytest worker (or a GC pause) does not decide;
+    # the steps that verified drafts (the request that opted out runs on alone afterwards)
+    verifying = [r for r in steps if r.num_decodes and r.num_tokens > r.num_decodes]
+    assert len(verifying) >= 3
+    proposing = statistics.median(r.propose_s / r.seconds for r in verifying)
+    idle = statistics.median(r.propose_s / r.seconds for r in plain.recent_steps()
+                             if r.num_decodes)
+    # 3 draft passes per step: a median share of ~0.6 on an idle core, where a proposer timed
+    # as part of "schedule" leaves the plain engine's ~0.005
+    assert proposing > 0.2 and proposing > 10 * idle and idle < 0.02, (proposing, idle)
+    assert statistics.median(r.schedule_s / r.propose_s for r in verifying) < 1
 
     limited = make(**DRAFT, num_speculative_tokens=3, speculative_disable_by_batch_size=1)
     both = limited.generate_all([{"prompt_token_ids": prompt, "params": {"temperature": 0.0}}
