@@ -30,6 +30,8 @@ models on a GPU (with IEEE precision, not TF32).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -41,6 +43,47 @@ SPLIT_MIN_TOKENS = 256  # a decode context is split once it is longer than this
 DECODE_BLOCK_N = 64  # keys per tile
 PREFILL_BLOCK_M = 64  # query rows (token x head) per prefill program
 PREFILL_BLOCK_N = 64
+# fp32 models' dots run on FMA units at IEEE precision, their operands held in registers: a
+# 64-key tile at head dim 128 spills ~14 KB per thread (sm_80 and sm_90, 4 or 8 warps)
+PREFILL_BLOCK_N_FP32 = 32
+NUM_WARPS = 4
+# prefill tiles of head dim 128 on 4 warps need 255 registers and spill 64 B on sm_80; 8 warps
+# need 187 and spill nothing
+WIDE_HEAD_WARPS = 8
+# software-pipelined key/value tiles in flight: Triton's default. Shared memory grows with it
+# (stages x (k + v tiles)): `kvserve bench gpu-compile` checks every tile shape against each
+# GPU's per-block limit
+NUM_STAGES = 3
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """One launch of `_attention_kernel`: its tile shape and Triton's launch options. The one
+    place they are chosen (`decode_tiles`, `prefill_tiles`); `kvserve bench gpu-compile` reads
+    them from the launches `paged_attention` makes and compiles each for sm_80/90/100."""
+
+    block_m: int  # query rows (token x head) per program
+    block_q: int  # tokens per program
+    block_n: int  # keys per tile
+    num_warps: int
+    num_stages: int
+
+
+def decode_tiles(group: int) -> Tiles:
+    """A decode program: one token, its GQA group's heads as rows (tl.dot's minimum of 16)."""
+    return Tiles(block_m=max(16, triton.next_power_of_2(group)), block_q=1,
+                 block_n=DECODE_BLOCK_N, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+
+
+def prefill_tiles(group: int, head_dim_p: int, fp32: bool) -> Tiles:
+    """A prefill program: PREFILL_BLOCK_M rows, as many tokens as fill them with the group;
+    narrower key tiles for fp32 models, more warps for wide heads (each so that no GPU's
+    compile spills registers)."""
+    block_m = max(PREFILL_BLOCK_M, triton.next_power_of_2(group))
+    return Tiles(block_m=block_m, block_q=block_m // group,
+                 block_n=PREFILL_BLOCK_N_FP32 if fp32 else PREFILL_BLOCK_N,
+                 num_warps=WIDE_HEAD_WARPS if fp32 or head_dim_p >= 128 else NUM_WARPS,
+                 num_stages=NUM_STAGES)
 
 
 def num_splits(context_len: int) -> int:
@@ -238,30 +281,29 @@ def paged_attention(
         part_m = torch.empty((num_decodes, heads, MAX_SPLITS), dtype=torch.float32,
                              device=q.device)
         part_l = torch.empty_like(part_m)
-        block_m = max(16, triton.next_power_of_2(group))
+        tiles = decode_tiles(group)
         split_axis = num_splits(max_decode_context) if max_decode_context else MAX_SPLITS
         _attention_kernel[(num_decodes, kv_heads, split_axis)](
             q, k_cache, v_cache, out, part_acc, part_m, part_l,
             block_tables, seq_lens, query_start_loc, num_decodes, scale, *strides,
-            BLOCK_M=block_m, BLOCK_Q=1, BLOCK_N=DECODE_BLOCK_N, SPLIT_KV=True, **common,
-            num_warps=4,
+            BLOCK_M=tiles.block_m, BLOCK_Q=1, BLOCK_N=tiles.block_n, SPLIT_KV=True, **common,
+            num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         )
         _reduce_kernel[(num_decodes, heads)](
             out, part_acc, part_m, part_l, seq_lens, out.stride(0), out.stride(1),
             NUM_HEADS=heads, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, MAX_S=MAX_SPLITS,
-            MIN_TOKENS=SPLIT_MIN_TOKENS, num_warps=4,
+            MIN_TOKENS=SPLIT_MIN_TOKENS, num_warps=NUM_WARPS,
         )
     num_prefills = seqs - num_decodes
     if num_prefills:
-        block_m = max(PREFILL_BLOCK_M, triton.next_power_of_2(group))
-        block_q = block_m // group
+        tiles = prefill_tiles(group, head_dim_p, fp32=q.dtype == torch.float32)
         prefill_tokens = tokens - num_decodes
         # the prefill chunks' own view of the arrays: their rows, tables and lengths
-        _attention_kernel[(prefill_tokens // block_q + num_prefills, kv_heads, 1)](
+        _attention_kernel[(prefill_tokens // tiles.block_q + num_prefills, kv_heads, 1)](
             q, k_cache, v_cache, out, out, out, out,
             block_tables[num_decodes:], seq_lens[num_decodes:],
             query_start_loc[num_decodes:], num_prefills, scale, *strides,
-            BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=PREFILL_BLOCK_N, SPLIT_KV=False,
-            **common, num_warps=4,
+            BLOCK_M=tiles.block_m, BLOCK_Q=tiles.block_q, BLOCK_N=tiles.block_n,
+            SPLIT_KV=False, **common, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         )
     return out
