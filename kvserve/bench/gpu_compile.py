@@ -363,7 +363,8 @@ def report(rows: list[dict[str, Any]], gpus: Sequence[GPU], settings: dict[str, 
 
 
 def main(shapes: Sequence[str], dtypes: Sequence[str], block_sizes: Sequence[int],
-         gpus: Sequence[str], jobs: int, out: str | None, as_json: bool, dot_fp32: bool,
+         gpus: Sequence[str], jobs: int, out: str | os.PathLike | None, as_json: bool,
+         dot_fp32: bool,
          show_all: bool, tp_sizes: Sequence[int] | None = None,
          kernels: Sequence[str] | None = None) -> int:
     """The command: compile, print the table (or JSON), write JSON to `out`; 1 on a failure."""

@@ -1,7 +1,7 @@
 """`kvserve` command line: one module per command group.
 
-prepare.py (prepare), generate.py (generate), serve.py (up, down, status, cache; with
-launch.py and status.py), bench.py (bench throughput|prefix|serve), eval.py (eval
+prepare.py (prepare), generate.py (generate), models.py (models), serve.py (up, down, status,
+cache; with launch.py and status.py), bench.py (bench throughput|prefix|serve), eval.py (eval
 recall|factuality), loadtest.py (loadtest), trace.py (trace). The engine flags are generated
 from kvserve.workers.config (engine_args.py); the argparse value types are in types.py.
 """
@@ -15,6 +15,7 @@ from kvserve.cli.bench import add_bench
 from kvserve.cli.eval import add_eval
 from kvserve.cli.generate import add_generate
 from kvserve.cli.loadtest import add_loadtest
+from kvserve.cli.models import add_models
 from kvserve.cli.prepare import add_prepare
 from kvserve.cli.serve import add_serve_commands
 from kvserve.cli.trace import add_trace
@@ -48,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(title="commands")
     add_prepare(sub)
     add_generate(sub)
+    add_models(sub)
     add_serve_commands(sub)
     add_bench(sub)
     add_eval(sub)

@@ -8,9 +8,11 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 from kvserve.cli.engine_args import add_engine_args, engine_config
 from kvserve.cli.types import positive_ints, words
+from kvserve.workers.config import output_dir
 
 
 def add_bench(sub) -> None:
@@ -100,7 +102,9 @@ def _add_bench_gpu_compile(bench) -> None:
                    help="compile with this Triton release instead of the installed one (e.g. "
                         "3.6.0, what the lent GPU machines have): pip installs it once into "
                         "kvserve's cache, beside the venv, and reruns this command with it")
-    b.add_argument("--out", default=None, help="write the JSON report here too")
+    b.add_argument("--out", type=Path, default=output_dir("gpu-compile") / "report.json",
+                   help="the JSON report's file (default: report.json in kvserve's cache, "
+                        "$KVSERVE_CACHE_DIR/outputs/gpu-compile)")
     b.add_argument("--json", action="store_true",
                    help="print one JSON object: date, command, versions (triton, ptxas per "
                         "GPU, cpu), settings, gpus, summary, rows (one per configuration and "

@@ -29,6 +29,7 @@ from kvserve.workers.model_executor.cpu_kernels import (
     elementwise_available_for,
     linear_available_for,
 )
+from kvserve.workers.model_executor.families import family_of
 from kvserve.workers.model_executor.rope import rotate
 from kvserve.workers.parallel import shard
 
@@ -160,13 +161,18 @@ class Attention(nn.Module):
         self.num_kv_heads = config.num_key_value_heads // size
         self.head_dim = shard.head_dim(config)
         self.scale = self.head_dim**-0.5
-        bias = getattr(config, "attention_bias", False) or config.model_type == "qwen2"
+        family = family_of(config)
+        bias = getattr(config, "attention_bias", False) or family.qkv_bias
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.split = (q_size, kv_size, kv_size)
         self.qkv_proj = Linear(config.hidden_size, sum(self.split), bias=bias)
         self.o_proj = Linear(
             q_size, config.hidden_size, bias=getattr(config, "attention_bias", False)
         )
+        # Qwen3: each head's q and k RMS-normalised over head_dim (one weight for all heads,
+        # whole on every tp rank), before RoPE
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if family.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if family.qk_norm else None
 
     def forward(
         self,
@@ -180,6 +186,8 @@ class Attention(nn.Module):
         tokens = x.shape[0]
         qkv = self.qkv_proj(x).view(tokens, -1, self.head_dim)  # [tokens, heads + 2 kv_heads, d]
         rotated = self.num_heads + self.num_kv_heads
+        if self.q_norm is not None:
+            self._norm_qk_(qkv)
         if self.triton_ops is not None:  # q, k rotated in place, k and v written to the cache
             self.triton_ops.rotary_write_kv_(qkv, self.num_heads, self.num_kv_heads, cos, sin,
                                              kv[0], kv[1], meta.slot_mapping)
@@ -195,6 +203,14 @@ class Attention(nn.Module):
         v = qkv[:, rotated:]
         out = backend(q, k, v, kv[0], kv[1], meta, self.scale)  # [tokens, heads, head_dim]
         return self._project_out(out.reshape(tokens, -1))
+
+    def _norm_qk_(self, qkv: torch.Tensor) -> None:
+        """q and k heads of `qkv` RMS-normalised in place, each over its head_dim, so the
+        rotary paths after it (in place, or fused with the cache write) are unchanged."""
+        q = qkv[:, :self.num_heads]  # [tokens, heads, d]
+        k = qkv[:, self.num_heads:self.num_heads + self.num_kv_heads]  # [tokens, kv_heads, d]
+        q.copy_(self.q_norm(q.reshape(-1, self.head_dim)).view_as(q))
+        k.copy_(self.k_norm(k.reshape(-1, self.head_dim)).view_as(k))
 
     def _project_out(self, out: torch.Tensor) -> torch.Tensor:
         """out: [tokens, heads * head_dim] -> [tokens, hidden]; under tp each rank's heads give
@@ -258,6 +274,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.tp = tp
+        self.family = family_of(config)  # an architecture kvserve does not implement: refused
         shard.check_divisible(config, tp.size if tp else 1)
         # this rank's vocabulary rows: [vocab_start, vocab_start + vocab)
         self.vocab, self.vocab_start = shard.vocab_range(config, tp)
@@ -371,9 +388,9 @@ class CausalLM(nn.Module):
                 if isinstance(module, Linear):
                     module.pack_for_kernels(kernels, weight_codes)
         attn = self.layers[0].self_attn
-        # a layer per C++ call has no place for tp's all-reduces: under tp, decode steps run
-        # the same kernels op by op
-        if (self.tp is None and linear_available_for(kernels, dtype)
+        # a layer per C++ call has no place for tp's all-reduces or Qwen3's q/k norms: there,
+        # decode steps run the same kernels op by op
+        if (self.tp is None and not self.family.qk_norm and linear_available_for(kernels, dtype)
                 and elementwise_available_for(kernels, dtype)
                 and CPUAttention.covers_shape(dtype, attn.num_heads, attn.num_kv_heads,
                                               attn.head_dim)):

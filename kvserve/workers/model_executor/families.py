@@ -1,0 +1,65 @@
+"""The model families kvserve serves, what each changes in the one model (`model.py`), and the
+refusal of every other architecture.
+
+Why one table: a checkpoint names its architecture in config.json's `model_type`, and most
+decoder families share Llama's tensor names. An architecture kvserve does not implement would
+load and run, and compute something else: a Qwen3 read as a Llama misses its q/k norms (the load
+would stop at two unplaced tensors, but a Gemma would not, its extra norms included). So the
+model refuses, at construction, any `model_type` not listed here, naming it and the list; each
+family's differences from Llama are flags the model reads, and `kvserve models` prints the table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from kvserve.workers.errors import EngineConfigError
+
+
+@dataclass(frozen=True)
+class Family:
+    """One architecture: its `model_type`, what it changes in the Llama decoder layer, and what
+    kvserve supports for it."""
+
+    model_type: str
+    name: str  # what users call it
+    examples: str
+    qkv_bias: bool = False  # q, k and v projections carry biases (o_proj does not)
+    qk_norm: bool = False  # per-head RMSNorm on q and k, before RoPE
+    # what runs for it (docs/models.md): tensor parallelism, GGUF block codes on CPUs,
+    # structured outputs, speculative decoding
+    tensor_parallel: bool = True
+    block_codes: bool = True
+    structured_outputs: bool = True
+    speculative: bool = True
+    notes: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+FAMILIES: dict[str, Family] = {f.model_type: f for f in (
+    Family("llama", "Llama", "Llama 2/3/3.1/3.2, SmolLM2, TinyLlama"),
+    Family("qwen2", "Qwen2", "Qwen2, Qwen2.5", qkv_bias=True),
+    Family("mistral", "Mistral", "Mistral 7B",
+           notes="sliding-window attention is not implemented: the context is capped at the "
+                 "window, where full attention is exact"),
+    Family("qwen3", "Qwen3", "Qwen3 dense (0.6B-32B)", qk_norm=True, block_codes=False,
+           notes="CPU decode steps run the layer op by op (the one-call C++ decode layer has "
+                 "no q/k norms); GGUF block codes are untested for it"),
+)}
+
+
+def family_of(config: Any) -> Family:
+    """The family of a transformers config, or `EngineConfigError` on the `model` field naming
+    its `model_type` and the supported ones."""
+    model_type = getattr(config, "model_type", None)
+    family = FAMILIES.get(model_type)
+    if family is None:
+        name = getattr(config, "name_or_path", "") or "the model"
+        raise EngineConfigError(
+            "model", f"{name} is a {model_type!r} model (config.json's model_type), which "
+                     f"kvserve does not implement; supported: {', '.join(FAMILIES)} "
+                     f"(`kvserve models` lists them)")
+    return family

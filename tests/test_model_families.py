@@ -1,0 +1,195 @@
+"""The families past Llama's shape (kvserve/workers/model_executor/families.py), each against
+transformers' own model on the same random weights, through the engine's whole path: a context
+of 300+ tokens prefilled in 16-token chunks, a prefix-cache hit, preemption with swap to the
+host tier, bf16 by vLLM's rule; a negative control per family feature; a directory saved by
+`save_pretrained` served by `kvserve generate --model DIR`; and the refusal of architectures
+kvserve does not implement. (tests/test_model_support.py runs every family, these included,
+through the short-prompt checks; tests/test_tensor_parallel.py runs them at tp 2.)"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+
+from kvserve.bench.exactness import Greedy, compare, engine_greedy, hf_greedy
+from kvserve.cli import main
+from kvserve.workers.config import EngineConfig
+from kvserve.workers.engine import LLMEngine
+from kvserve.workers.errors import EngineConfigError
+from kvserve.workers.model_executor.families import FAMILIES, family_of
+from kvserve.workers.model_executor.loader import LoadedCheckpoint
+from kvserve.workers.model_executor.tiny import tiny_config
+from tests.helpers import assert_engine_idle, noisy_checkpoint
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+# the families added past Llama/Qwen2/Mistral, and the switch that turns each one's feature off
+NEW_FAMILIES = ("qwen3",)
+NEW_TOKENS = 16
+LONG = 320  # tokens: 20 blocks of 16, prefilled in 20 chunks
+
+
+@dataclass
+class Case:
+    name: str
+    ckpt: LoadedCheckpoint
+    hf: Any
+    prompts: dict[str, list[int]]
+    refs: dict[str, Greedy]
+
+
+@pytest.fixture(scope="module", params=NEW_FAMILIES)
+def case(request) -> Case:
+    from transformers import AutoModelForCausalLM
+
+    ckpt = noisy_checkpoint(request.param, max_position_embeddings=1024)
+    hf = AutoModelForCausalLM.from_config(ckpt.config, dtype=torch.float32)
+    hf.load_state_dict(ckpt.tensors)
+    hf.eval()
+    gen = torch.Generator().manual_seed(3)
+    vocab = ckpt.config.vocab_size
+    long = torch.randint(3, vocab, (LONG,), generator=gen).tolist()
+    prompts = {
+        "long": long,
+        # its first 256 tokens (16 whole blocks) are the long prompt's: a prefix hit
+        "shares_prefix": long[:256] + torch.randint(3, vocab, (40,), generator=gen).tolist(),
+        **{f"p{n}": torch.randint(3, vocab, (n,), generator=gen).tolist() for n in (9, 70, 150)},
+    }
+    return Case(request.param, ckpt, hf, prompts, hf_greedy(hf, prompts, NEW_TOKENS))
+
+
+def _engine(ckpt: LoadedCheckpoint, **config: Any) -> LLMEngine:
+    config = {"device": "cpu", "kv_cache_memory": 8 * 1024**2, "max_num_batched_tokens": 16,
+              **config}
+    return LLMEngine(EngineConfig(**config), checkpoint=ckpt)
+
+
+def _equal(ours: dict[str, Greedy], refs: dict[str, Greedy]) -> list[str]:
+    """The prompts whose tokens differ from transformers' (top-k sets aside)."""
+    return [name for name in ours if ours[name].tokens != refs[name].tokens]
+
+
+def test_long_chunked_context_a_prefix_hit_and_swap_equal_transformers(case: Case) -> None:
+    """fp32 greedy, token for token: the 320-token prompt in 16-token chunks, then a prompt
+    sharing its first 256 tokens (served from the prefix cache), then everything at once in a
+    pool so small that requests are preempted and swapped to the host tier and back."""
+    engine = _engine(case.ckpt, enable_prefix_caching=True)
+    first = engine_greedy(engine, {"long": case.prompts["long"]}, NEW_TOKENS, concurrent=False)
+    hits_before = engine.kv_stats().prefix_hit_tokens
+    rest = engine_greedy(engine, {k: v for k, v in case.prompts.items() if k != "long"},
+                         NEW_TOKENS, concurrent=True)
+    assert engine.kv_stats().prefix_hit_tokens - hits_before >= 256
+    assert _equal({**first, **rest}, case.refs) == []
+    assert_engine_idle(engine)
+
+    # 30 blocks of 16 for five requests of up to 336 tokens: preemption, with swap
+    tight = _engine(case.ckpt, num_kv_blocks=30, cpu_offload_memory=16 * 1024**2)
+    ours = engine_greedy(tight, case.prompts, NEW_TOKENS, concurrent=True)
+    stats = tight.kv_stats()
+    assert stats.preemptions > 0 and stats.blocks_swapped_out > 0, stats
+    assert _equal(ours, case.refs) == []
+    assert_engine_idle(tight)
+
+
+def test_bf16_is_close_to_transformers_bf16_by_vllms_rule(case: Case) -> None:
+    hf = case.hf.to(torch.bfloat16)
+    try:
+        refs = hf_greedy(hf, case.prompts, NEW_TOKENS)
+    finally:
+        case.hf.to(torch.float32)
+    ours = engine_greedy(_engine(case.ckpt, dtype="bfloat16"), case.prompts, NEW_TOKENS,
+                         concurrent=True)
+    results = compare(ours, refs)
+    assert all(c.close for c in results), results
+
+
+def _switch_off(engine: LLMEngine, name: str) -> None:
+    """The family's own feature removed from a built engine: what the negative control runs."""
+    attns = [layer.self_attn for layer in engine.runner.model.layers]
+    if name == "qwen3":  # the q/k norms
+        assert all(a.q_norm is not None for a in attns)
+        for a in attns:
+            a.q_norm = a.k_norm = None
+    else:
+        raise AssertionError(f"no switch for {name}")
+
+
+def test_without_the_familys_feature_the_output_is_not_transformers(case: Case) -> None:
+    """Negative control: the same engine with the family's feature switched off (Qwen3: the
+    q/k norms) departs from transformers on every prompt."""
+    engine = _engine(case.ckpt)
+    _switch_off(engine, case.name)
+    ours = engine_greedy(engine, case.prompts, NEW_TOKENS, concurrent=True)
+    assert sorted(_equal(ours, case.refs)) == sorted(case.prompts)
+
+
+@pytest.mark.slow
+def test_a_save_pretrained_directory_serves_through_kvserve_generate(case: Case, tmp_path,
+                                                                     capsys) -> None:
+    """transformers' own layout (config.json, model.safetensors with its tensor names and tied
+    embeddings, tokenizer files) through `kvserve generate --model DIR`: transformers' tokens."""
+    model_dir = tmp_path / case.name
+    case.hf.save_pretrained(model_dir)
+    case.ckpt.tokenizer.save_pretrained(model_dir)
+    text = "The capital of France is a city that"
+    ids = case.ckpt.tokenizer(text)["input_ids"]
+    ref = hf_greedy(case.hf, {"p": ids}, 8)["p"].tokens
+    assert main(["generate", "--model", str(model_dir), "--device", "cpu", "--max-tokens", "8",
+                 "--json", text]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["token_ids"] == ref
+
+
+def test_an_unimplemented_architecture_is_refused_naming_model_type(tmp_path, capsys) -> None:
+    """A Gemma 2 checkpoint (Llama's tensor names and more) is refused before anything runs:
+    the error names the field, its model_type and the supported list; the CLI prints it in one
+    line and exits 2."""
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config("gemma2", head_dim=16, sliding_window=32)
+    with pytest.raises(EngineConfigError) as refused:
+        family_of(config)
+    assert refused.value.field == "model"
+    assert "'gemma2'" in str(refused.value)
+    assert f"supported: {', '.join(FAMILIES)}" in str(refused.value)
+    model_dir = tmp_path / "gemma2"
+    AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
+    (model_dir / "tokenizer_config.json").write_text("{}")  # never read: refused first
+    capsys.readouterr()
+    assert main(["generate", "--model", str(model_dir), "--device", "cpu", "Hi"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "'gemma2'" in err and "qwen3" in err
+
+
+def test_kvserve_models_lists_the_families(capsys) -> None:
+    assert main(["models"]) == 0
+    text = capsys.readouterr().out
+    for family in FAMILIES.values():
+        assert family.model_type in text and family.name in text
+    assert main(["models", "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert listed == [f.to_dict() for f in FAMILIES.values()]
+
+
+def test_each_family_s_checkpoint_has_its_own_tensors() -> None:
+    """Guards the tests above against a vacuous setup: the family's tensors exist and are not
+    their initial values (noisy_checkpoint perturbs norms), and each feature flag is set."""
+    ckpt = noisy_checkpoint("qwen3")
+    q_norm = ckpt.tensors["model.layers.0.self_attn.q_norm.weight"]
+    assert q_norm.shape == (16,) and (q_norm - 1).abs().max() > 0.05
+    assert FAMILIES["qwen3"].qk_norm and not FAMILIES["llama"].qk_norm
+
+
+@pytest.mark.triton
+def test_the_triton_backend_gives_transformers_tokens(case: Case) -> None:
+    """The GPU path (Triton attention, the fused RoPE + KV write after the family's own ops),
+    under Triton's interpreter on short prompts: transformers' tokens."""
+    pytest.importorskip("triton")
+    prompts = {k: case.prompts[k] for k in ("p9", "p70")}
+    ours = engine_greedy(_engine(case.ckpt, attention_backend="triton"), prompts, 8,
+                         concurrent=True)
+    assert _equal(ours, hf_greedy(case.hf, prompts, 8)) == []
