@@ -43,9 +43,14 @@ SPLIT_MIN_TOKENS = 256  # a decode context is split once it is longer than this
 DECODE_BLOCK_N = 64  # keys per tile
 PREFILL_BLOCK_M = 64  # query rows (token x head) per prefill program
 PREFILL_BLOCK_N = 64
-# fp32 models' dots run on FMA units at IEEE precision, their operands held in registers: a
-# 64-key tile at head dim 128 spills ~14 KB per thread (sm_80 and sm_90, 4 or 8 warps)
+# fp32 models' dots run on FMA units at IEEE precision, their operands held in registers:
+# prefill tiles of 64 x 64 spill ~14 KB per thread at head dim 128 (sm_80 and sm_90, 4 or 8
+# warps); 64 x 32 and 64 x 16 on 8 warps spill 12-28 B on sm_80 or sm_100 with one Triton
+# release or the other; 32 x 32 on 4 warps spill nowhere. Decode tiles of 64 keys at head dim
+# 64 spill 4-8 B on sm_80/sm_100 with Triton 3.6. (`kvserve bench gpu-compile`)
+PREFILL_BLOCK_M_FP32 = 32
 PREFILL_BLOCK_N_FP32 = 32
+DECODE_BLOCK_N_FP32_NARROW = 32  # head dims up to 64
 NUM_WARPS = 4
 # prefill tiles of head dim 128 on 4 warps need 255 registers and spill 64 B on sm_80; 8 warps
 # need 187 and spill nothing
@@ -69,20 +74,25 @@ class Tiles:
     num_stages: int
 
 
-def decode_tiles(group: int) -> Tiles:
+def decode_tiles(group: int, head_dim_p: int, fp32: bool) -> Tiles:
     """A decode program: one token, its GQA group's heads as rows (tl.dot's minimum of 16)."""
+    narrow = fp32 and head_dim_p <= 64
     return Tiles(block_m=max(16, triton.next_power_of_2(group)), block_q=1,
-                 block_n=DECODE_BLOCK_N, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+                 block_n=DECODE_BLOCK_N_FP32_NARROW if narrow else DECODE_BLOCK_N,
+                 num_warps=NUM_WARPS, num_stages=NUM_STAGES)
 
 
 def prefill_tiles(group: int, head_dim_p: int, fp32: bool) -> Tiles:
     """A prefill program: PREFILL_BLOCK_M rows, as many tokens as fill them with the group;
-    narrower key tiles for fp32 models, more warps for wide heads (each so that no GPU's
+    smaller tiles for fp32 models, more warps for wide 16-bit heads (each so that no GPU's
     compile spills registers)."""
+    if fp32:
+        block_m = max(PREFILL_BLOCK_M_FP32, triton.next_power_of_2(group))
+        return Tiles(block_m=block_m, block_q=block_m // group, block_n=PREFILL_BLOCK_N_FP32,
+                     num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     block_m = max(PREFILL_BLOCK_M, triton.next_power_of_2(group))
-    return Tiles(block_m=block_m, block_q=block_m // group,
-                 block_n=PREFILL_BLOCK_N_FP32 if fp32 else PREFILL_BLOCK_N,
-                 num_warps=WIDE_HEAD_WARPS if fp32 or head_dim_p >= 128 else NUM_WARPS,
+    return Tiles(block_m=block_m, block_q=block_m // group, block_n=PREFILL_BLOCK_N,
+                 num_warps=WIDE_HEAD_WARPS if head_dim_p >= 128 else NUM_WARPS,
                  num_stages=NUM_STAGES)
 
 
@@ -281,7 +291,7 @@ def paged_attention(
         part_m = torch.empty((num_decodes, heads, MAX_SPLITS), dtype=torch.float32,
                              device=q.device)
         part_l = torch.empty_like(part_m)
-        tiles = decode_tiles(group)
+        tiles = decode_tiles(group, head_dim_p, fp32=q.dtype == torch.float32)
         split_axis = num_splits(max_decode_context) if max_decode_context else MAX_SPLITS
         _attention_kernel[(num_decodes, kv_heads, split_axis)](
             q, k_cache, v_cache, out, part_acc, part_m, part_l,
