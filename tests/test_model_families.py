@@ -1,9 +1,9 @@
-"""The families past Llama's shape (kvserve/workers/model_executor/families.py), each against
-transformers' own model on the same random weights, through the engine's whole path: a context
-of 300+ tokens prefilled in 16-token chunks, a prefix-cache hit, preemption with swap to the
-host tier, bf16 by vLLM's rule; a negative control per family feature; a directory saved by
-`save_pretrained` served by `kvserve generate --model DIR`; and the refusal of architectures
-kvserve does not implement. (tests/test_model_support.py runs every family, these included,
+"""The families past Llama's shape (kvserve/workers/model_executor/families.py: Qwen3's q/k
+norms, Phi-3's fused checkpoint and long RoPE), each against transformers' own model on the
+same random weights, through the engine's whole path: a context of 300+ tokens prefilled in
+16-token chunks, a prefix-cache hit, preemption with swap to the host tier, bf16 by vLLM's
+rule; a negative control per family feature; a directory saved by `save_pretrained` served by
+`kvserve generate --model DIR`; and the refusal of architectures kvserve does not implement. (tests/test_model_support.py runs every family, these included,
 through the short-prompt checks; tests/test_tensor_parallel.py runs them at tp 2.)"""
 
 from __future__ import annotations
@@ -27,8 +27,15 @@ from tests.helpers import assert_engine_idle, noisy_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-# the families added past Llama/Qwen2/Mistral, and the switch that turns each one's feature off
-NEW_FAMILIES = ("qwen3",)
+# long-RoPE with a trained length of 128: the 320-token context runs on the long factors
+LONGROPE = {"rope_type": "longrope", "original_max_position_embeddings": 128, "factor": 8.0,
+            "short_factor": [1.0 + 0.1 * i for i in range(8)],
+            "long_factor": [2.0 + 0.5 * i for i in range(8)]}
+# the families added past Llama/Qwen2/Mistral, with their checkpoints' settings
+NEW_FAMILIES = {
+    "qwen3": {},
+    "phi3": {"original_max_position_embeddings": 128, "rope_parameters": LONGROPE},
+}
 NEW_TOKENS = 16
 LONG = 320  # tokens: 20 blocks of 16, prefilled in 20 chunks
 
@@ -42,11 +49,12 @@ class Case:
     refs: dict[str, Greedy]
 
 
-@pytest.fixture(scope="module", params=NEW_FAMILIES)
+@pytest.fixture(scope="module", params=list(NEW_FAMILIES))
 def case(request) -> Case:
     from transformers import AutoModelForCausalLM
 
-    ckpt = noisy_checkpoint(request.param, max_position_embeddings=1024)
+    ckpt = noisy_checkpoint(request.param, max_position_embeddings=1024,
+                            **NEW_FAMILIES[request.param])
     hf = AutoModelForCausalLM.from_config(ckpt.config, dtype=torch.float32)
     hf.load_state_dict(ckpt.tensors)
     hf.eval()
@@ -107,23 +115,26 @@ def test_bf16_is_close_to_transformers_bf16_by_vllms_rule(case: Case) -> None:
     assert all(c.close for c in results), results
 
 
-def _switch_off(engine: LLMEngine, name: str) -> None:
-    """The family's own feature removed from a built engine: what the negative control runs."""
+def _without_its_feature(case: Case) -> LLMEngine:
+    """An engine on the case's checkpoint with the family's own feature removed: Qwen3's q/k
+    norms; Phi-3's long-RoPE scaling (plain RoPE instead)."""
+    if case.name == "phi3":
+        assert case.ckpt.config.rope_parameters["rope_type"] == "longrope"
+        return _engine(case.ckpt, rope_parameters={"rope_type": "default"})
+    engine = _engine(case.ckpt)
     attns = [layer.self_attn for layer in engine.runner.model.layers]
-    if name == "qwen3":  # the q/k norms
+    if case.name == "qwen3":
         assert all(a.q_norm is not None for a in attns)
         for a in attns:
             a.q_norm = a.k_norm = None
-    else:
-        raise AssertionError(f"no switch for {name}")
+        return engine
+    raise AssertionError(f"no switch for {case.name}")
 
 
 def test_without_the_familys_feature_the_output_is_not_transformers(case: Case) -> None:
-    """Negative control: the same engine with the family's feature switched off (Qwen3: the
-    q/k norms) departs from transformers on every prompt."""
-    engine = _engine(case.ckpt)
-    _switch_off(engine, case.name)
-    ours = engine_greedy(engine, case.prompts, NEW_TOKENS, concurrent=True)
+    """Negative control: the same checkpoint with the family's feature switched off (Qwen3:
+    the q/k norms; Phi-3: long RoPE) departs from transformers on every prompt."""
+    ours = engine_greedy(_without_its_feature(case), case.prompts, NEW_TOKENS, concurrent=True)
     assert sorted(_equal(ours, case.refs)) == sorted(case.prompts)
 
 
@@ -182,6 +193,11 @@ def test_each_family_s_checkpoint_has_its_own_tensors() -> None:
     q_norm = ckpt.tensors["model.layers.0.self_attn.q_norm.weight"]
     assert q_norm.shape == (16,) and (q_norm - 1).abs().max() > 0.05
     assert FAMILIES["qwen3"].qk_norm and not FAMILIES["llama"].qk_norm
+    phi3 = noisy_checkpoint("phi3", **NEW_FAMILIES["phi3"])
+    assert {"model.layers.0.self_attn.qkv_proj.weight",
+            "model.layers.0.mlp.gate_up_proj.weight"} <= phi3.tensors.keys()
+    assert "model.layers.0.self_attn.q_proj.weight" not in phi3.tensors
+    assert phi3.config.rope_parameters["original_max_position_embeddings"] == 128 < LONG
 
 
 @pytest.mark.triton

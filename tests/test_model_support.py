@@ -28,6 +28,7 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2": ("qwen2", {}),  # q/k/v carry biases, o_proj does not
     "mistral": ("mistral", {}),
     "qwen3": ("qwen3", {}),  # q and k RMS-normalised per head before RoPE
+    "phi3": ("phi3", {}),  # q/k/v and gate/up fused in the checkpoint
 }
 PROMPT_LENS = (5, 37, 70)  # 70 spans five 16-token blocks; 37 and 70 need several 32-token chunks
 NEW_TOKENS = 12

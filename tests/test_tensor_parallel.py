@@ -36,7 +36,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 # 8 heads and 4 KV heads: tp 2 and 4 both divide them
 TP_SHAPE = {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 16}
-FAMILIES = ("llama", "qwen2", "mistral", "qwen3")
+FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "phi3")
 
 
 # -- sizes -----------------------------------------------------------------------------------
@@ -244,9 +244,10 @@ def family(request):
 def test_greedy_at_tp_equals_tp1(family, tp):
     """Concurrent requests, prompts prefilled in 32-token chunks beside decodes."""
     name, ckpt, prompts, reference = family
-    if (name, tp) == ("qwen3", 4):
-        pytest.skip("qwen3 at tp 2 only: its one difference, the q/k norms, is whole on every "
-                    "rank at any size")
+    if name in ("qwen3", "phi3") and tp == 4:
+        pytest.skip(f"{name} at tp 2 only: what it changes (q/k norms, whole on every rank; "
+                    f"fused weights, split per rank as any size splits them) does not vary "
+                    f"with the size")
     engine = _tiny_engine(ckpt, tp)
     try:
         assert engine.info.tensor_parallel_size == tp

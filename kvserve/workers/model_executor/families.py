@@ -45,6 +45,11 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("mistral", "Mistral", "Mistral 7B",
            notes="sliding-window attention is not implemented: the context is capped at the "
                  "window, where full attention is exact"),
+    Family("phi3", "Phi-3", "Phi-3-mini/small/medium, Phi-3.5-mini", block_codes=False,
+           notes="q/k/v and gate/up come fused in the checkpoint (split per rank under tp); "
+                 "long-RoPE scaling as transformers (short factors up to the trained length, "
+                 "long past it); a partial rotary factor (Phi-4-mini) is refused; its window "
+                 "caps the context, as Mistral's; GGUF block codes are untested for it"),
     Family("qwen3", "Qwen3", "Qwen3 dense (0.6B-32B)", qk_norm=True, block_codes=False,
            notes="CPU decode steps run the layer op by op (the one-call C++ decode layer has "
                  "no q/k norms); GGUF block codes are untested for it"),
@@ -62,4 +67,10 @@ def family_of(config: Any) -> Family:
             "model", f"{name} is a {model_type!r} model (config.json's model_type), which "
                      f"kvserve does not implement; supported: {', '.join(FAMILIES)} "
                      f"(`kvserve models` lists them)")
+    rope = getattr(config, "rope_parameters", None) or {}
+    partial = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
+    if partial not in (None, 1, 1.0):
+        raise EngineConfigError(
+            "model", f"partial_rotary_factor {partial} (RoPE on part of each head) is not "
+                     f"implemented; kvserve rotates whole heads")
     return family

@@ -171,7 +171,9 @@ def override_rope(config: Any, rope_parameters: dict[str, Any]) -> dict[str, Any
     """
     base = dict(config.rope_parameters or {})
     theta = base.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-    merged = {"rope_theta": theta, **rope_parameters}
+    # partial_rotary_factor is the model's, not the scaling's (Phi-3's config needs it kept)
+    kept = {k: base[k] for k in ("partial_rotary_factor",) if k in base}
+    merged = {"rope_theta": theta, **kept, **rope_parameters}
     if merged.get("rope_type") in (None, "none"):
         merged["rope_type"] = "default"
     if merged["rope_type"] in ("yarn", "llama3", "longrope"):

@@ -410,6 +410,19 @@ class CausalLM(nn.Module):
             elif isinstance(module, MLP):
                 module.silu_and_mul = triton_ops.silu_and_mul
 
+    def _unfused(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`tensors` with fused projections split into q/k/v and gate/up (views)."""
+        attn, inter = self.layers[0].self_attn, self.config.intermediate_size
+        q, kv = (self.config.num_attention_heads * attn.head_dim,
+                 self.config.num_key_value_heads * attn.head_dim)
+        tensors = dict(tensors)
+        for name in [n for n in tensors if n.endswith((".qkv_proj.weight", ".qkv_proj.bias"))]:
+            _split_fused(tensors, name, ("q_proj", "k_proj", "v_proj"), [q, kv, kv])
+        for name in [n for n in tensors if n.endswith((".gate_up_proj.weight",
+                                                       ".gate_up_proj.bias"))]:
+            _split_fused(tensors, name, ("gate_proj", "up_proj"), [inter, inter])
+        return tensors
+
     def load_checkpoint(self, tensors: dict[str, torch.Tensor]) -> None:
         """Take Hugging Face-named tensors in, fusing q/k/v and gate/up.
 
@@ -421,7 +434,8 @@ class CausalLM(nn.Module):
         touch of a page costs ~15 us); the fused and packed weights are new tensors anyway."""
         own = dict(self.named_parameters())
         if self.tp is not None:  # this rank's slice of each tensor, before q/k/v are fused
-            tensors = shard.slice_checkpoint(tensors, self.tp.rank, self.tp.size)
+            tensors = shard.slice_checkpoint(self._unfused(tensors), self.tp.rank,
+                                             self.tp.size)
         for i in range(len(self.layers)):
             pre = f"model.layers.{i}."
             _fuse(tensors, pre + "self_attn.", ("q_proj", "k_proj", "v_proj"), "qkv_proj")
@@ -449,6 +463,16 @@ class CausalLM(nn.Module):
         ]
         if missing:
             raise KeyError(f"checkpoint lacks {missing[:5]}")
+
+
+def _split_fused(tensors: dict[str, torch.Tensor], name: str, parts: tuple[str, ...],
+                 sizes: list[int]) -> None:
+    """A checkpoint's fused projection (Phi-3's qkv_proj, gate_up_proj) back into its parts,
+    as row views, so that tensor parallelism slices each part as it slices other families'."""
+    module, _, kind = name.rpartition(".")  # e.g. model.layers.0.self_attn.qkv_proj, weight
+    prefix = module.rpartition(".")[0]
+    for part, piece in zip(parts, tensors.pop(name).split(sizes), strict=True):
+        tensors[f"{prefix}.{part}.{kind}"] = piece
 
 
 def _or(tensor: torch.Tensor | None, default: torch.Tensor) -> torch.Tensor:
