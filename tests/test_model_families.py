@@ -3,8 +3,9 @@ norms, Phi-3's fused checkpoint and long RoPE), each against transformers' own m
 same random weights, through the engine's whole path: a context of 300+ tokens prefilled in
 16-token chunks, a prefix-cache hit, preemption with swap to the host tier, bf16 by vLLM's
 rule; a negative control per family feature; a directory saved by `save_pretrained` served by
-`kvserve generate --model DIR`; and the refusal of architectures kvserve does not implement. (tests/test_model_support.py runs every family, these included,
-through the short-prompt checks; tests/test_tensor_parallel.py runs them at tp 2.)"""
+`kvserve generate --model DIR`; and the refusal of architectures kvserve does not implement.
+(tests/test_model_support.py runs every family, these included, through the short-prompt
+checks; tests/test_tensor_parallel.py runs them at tp 2.)"""
 
 from __future__ import annotations
 
@@ -203,9 +204,11 @@ def test_each_family_s_checkpoint_has_its_own_tensors() -> None:
 @pytest.mark.triton
 def test_the_triton_backend_gives_transformers_tokens(case: Case) -> None:
     """The GPU path (Triton attention, the fused RoPE + KV write after the family's own ops),
-    under Triton's interpreter on short prompts: transformers' tokens."""
+    in fp32 on short prompts: transformers' tokens. On CUDA when there is one (the device
+    check's gpu_tests section), else under Triton's interpreter."""
     pytest.importorskip("triton")
     prompts = {k: case.prompts[k] for k in ("p9", "p70")}
-    ours = engine_greedy(_engine(case.ckpt, attention_backend="triton"), prompts, 8,
-                         concurrent=True)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    engine = _engine(case.ckpt, attention_backend="triton", device=device, dtype="float32")
+    ours = engine_greedy(engine, prompts, 8, concurrent=True)
     assert _equal(ours, hf_greedy(case.hf, prompts, 8)) == []
