@@ -84,21 +84,21 @@ def test_the_engines_picks_for_smollm2_and_llama_1b_compile_for_hopper_within_it
 @pytest.mark.slow
 def test_an_oversized_tile_is_reported_over_the_limit_and_fails_the_command(tmp_path):
     """Negative control for the shared-memory check: prefill tiles of 256 keys with 4 stages at
-    head dim 128 ask for more than an A100's 163 KiB and an H100's 227 KiB (~177 and ~274 KiB);
-    Triton compiles them without complaint, the check must not."""
+    head dim 128 ask for ~177 KiB on an A100, over its 163 KiB (~274 KiB on an H100, over its
+    227); Triton compiles them without complaint, the check must not."""
     setup = ("from kvserve.workers.model_executor.attention import triton_kernels as tk\n"
              "tk.PREFILL_BLOCK_N = 256; tk.NUM_STAGES = 4")
     rc, report, _ = _compile(tmp_path, "--shapes", "llama-3.1-8b", "--tp", "8", "--dtypes",
-                             "bfloat16", "--block-sizes", "16", "--gpus", "sm_80,sm_90",
+                             "bfloat16", "--block-sizes", "16", "--gpus", "sm_80",
                              "--kernels", "attention prefill,rms_norm", setup=setup)
     assert rc == 1
     prefill = [r for r in report["rows"] if r["kernel"] == "attention prefill"]
-    assert {r["gpu"] for r in prefill} == {"sm_80", "sm_90"}
+    assert [r["gpu"] for r in prefill] == ["sm_80"]
     for r in prefill:
         assert r["BLOCK_N"] == 256 and r["num_stages"] == 4
         assert r["shared_bytes"] > r["shared_limit"] and not r["ok"]
         assert any("over the" in p for p in r["problems"])
-    assert [r["ok"] for r in report["rows"] if r["kernel"] == "rms_norm"] == [True, True]
+    assert [r["ok"] for r in report["rows"] if r["kernel"] == "rms_norm"] == [True]
 
 
 @pytest.mark.slow
