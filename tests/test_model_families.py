@@ -207,6 +207,9 @@ def test_the_triton_backend_gives_transformers_tokens(case: Case) -> None:
     in fp32 on short prompts: transformers' tokens. On CUDA when there is one (the device
     check's gpu_tests section), else under Triton's interpreter."""
     pytest.importorskip("triton")
+    if case.name == "phi3":
+        pytest.skip("Phi-3's differences (fused weights, long RoPE's cos/sin) are upstream of "
+                    "the attention backend; Qwen3's q/k norms run right before its fused kernel")
     prompts = {k: case.prompts[k] for k in ("p9", "p70")}
     device = "cuda" if torch.cuda.is_available() else "cpu"
     engine = _engine(case.ckpt, attention_backend="triton", device=device, dtype="float32")

@@ -90,8 +90,9 @@ class ModelShape:
                    tp_sizes)
 
 
-# The families kvserve serves (Llama, Qwen2, Mistral), at the sizes people run: head dims 64
-# and 128, GQA groups 1 (multi-head) to 8, every tp that divides the heads up to 8.
+# The families kvserve serves (docs/models.md), at the sizes people run: head dims 64, 96
+# (Phi-3, padded to 128 in the tiles) and 128, GQA groups 1 (multi-head) to 8, every tp that
+# divides the heads up to 8. Qwen3's shapes are Llama's (its q/k norms are torch ops).
 SHAPES = {
     "smollm2-135m": ModelShape.of(SMOLLM2_SHAPE, (1, 3)),
     "llama-3.2-1b": ModelShape.of(LLAMA_1B_SHAPE, (1, 2, 4, 8)),
@@ -101,6 +102,7 @@ SHAPES = {
     "qwen2.5-7b": ModelShape(28, 4, 128, 3584, 18944, (1, 2, 4)),
     "llama-3.1-70b": ModelShape(64, 8, 128, 8192, 28672, (1, 2, 4, 8)),
     "llama-2-7b": ModelShape(32, 32, 128, 4096, 11008, (1, 2, 4, 8)),
+    "phi-3-mini": ModelShape(32, 32, 96, 3072, 8192, (1, 2, 4, 8)),
 }
 DTYPES = ("bfloat16", "float16", "float32")
 # 16: the default; 32; 256: flash_attn's layout, which a cache shared with it has
