@@ -40,6 +40,7 @@ from typing import Any
 
 from kvserve.bench import triton_compat
 from kvserve.bench.gpu_check import LLAMA_1B_SHAPE, SMOLLM2_SHAPE
+from kvserve.columns import aligned
 
 
 @dataclass(frozen=True)
@@ -347,9 +348,7 @@ def table(summary: Sequence[dict[str, Any]]) -> str:
                       str(s["max_registers"]), f"{s['spill_bytes']} B",
                       str(s["min_blocks_per_sm"]), s["tensor_cores"],
                       f"{s['max_compile_s']:.2f} s", str(s["failed"])))
-    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip()
-                     for line in lines)
+    return "\n".join(aligned(lines))
 
 
 def report(rows: list[dict[str, Any]], gpus: Sequence[GPU], settings: dict[str, Any],

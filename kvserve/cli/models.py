@@ -22,6 +22,7 @@ def add_models(sub) -> None:
 
 
 def _run_models(args: argparse.Namespace) -> int:
+    from kvserve.columns import aligned
     from kvserve.workers.model_executor.families import FAMILIES
 
     if args.json:
@@ -32,9 +33,7 @@ def _run_models(args: argparse.Namespace) -> int:
         (f.model_type, f.name, f.examples, *("yes" if v else "no" for v in (
             f.tensor_parallel, f.block_codes, f.structured_outputs, f.speculative)))
         for f in FAMILIES.values()]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    for r in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    print("\n".join(aligned(rows)))
     for f in FAMILIES.values():
         if f.notes:
             print(f"{f.model_type}: {f.notes}")

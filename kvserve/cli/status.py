@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 from kvserve.cluster import local_head, ray_compat, replica_status
+from kvserve.columns import aligned
 
 APP_NAME = "kvserve"
 
@@ -166,10 +167,8 @@ def format_status(report: dict[str, Any]) -> str:
         _or_dash(r.get("kv_cached_blocks")), _percent(r.get("prefix_cache_hit_rate")),
         _or_dash(r.get("rss_mib")),
     ) for r in report["replicas"]]
-    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     lines.append("")
-    lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
-              for row in table]
+    lines += aligned(table)
     return "\n".join(lines)
 
 
