@@ -28,12 +28,15 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+from kvserve.bench.exactness import hf_greedy
 from kvserve.workers.config import EngineConfig
+from kvserve.workers.core.block_manager import NO_BLOCK, held
 from kvserve.workers.core.outputs import RequestOutput
 from kvserve.workers.core.scheduler import Scheduler
 from kvserve.workers.core.sequence import Sequence, SequenceStatus
 from kvserve.workers.engine import LLMEngine
 from kvserve.workers.model_executor.kv_cache import KVCacheSpec
+from kvserve.workers.model_executor.loader import LoadedCheckpoint
 from kvserve.workers.model_executor.tiny import tiny_checkpoint, tiny_config
 from tests.helpers import assert_engine_idle, output_ids
 
@@ -49,7 +52,9 @@ MAX_STEPS_TO_DRAIN = 3000  # far above what any example needs; more means a live
 
 
 def check_block_ledger(engine: LLMEngine) -> None:
-    """Every block is free or owned by exactly one live sequence; tables cover computed tokens."""
+    """Every block is free or owned by exactly one live sequence; tables cover computed tokens.
+    With a sliding window, the places a table freed are a run from its start, behind the
+    window, and a sequence holds no more than `blocks_at_most` says."""
     bm = engine.block_manager
     sched: Scheduler = engine.scheduler
     live: list[Sequence] = [r.seq for r in engine.requests.values()]
@@ -59,7 +64,13 @@ def check_block_ledger(engine: LLMEngine) -> None:
     owner: dict[int, str] = {}
     for seq in live:
         assert not seq.is_finished, f"{seq.request_id} is finished but still in engine.requests"
-        for b in seq.block_table:
+        gone = seq.block_table.count(NO_BLOCK)
+        assert seq.block_table[:gone] == [NO_BLOCK] * gone, seq.block_table
+        assert gone <= bm.window_start(seq.num_computed_tokens), (seq.block_table,
+                                                                  seq.num_computed_tokens)
+        assert held(seq.block_table) <= bm.blocks_at_most(
+            seq.num_prompt_tokens + seq.params.max_tokens), seq.block_table
+        for b in seq.block_table[gone:]:
             assert b not in owner, f"block {b} owned by {owner[b]} and {seq.request_id}"
             owner[b] = seq.request_id
         assert len(seq.block_table) * bm.block_size >= seq.num_computed_tokens, (
@@ -289,14 +300,15 @@ class EngineMachine(RuleBasedStateMachine):
 @pytest.fixture(scope="module")
 def make_engine() -> Callable[[int], LLMEngine]:
     """Factory of tiny-model engines over one shared checkpoint (an engine takes ~5 ms)."""
-    ckpt = tiny_checkpoint("llama")
+    llama = tiny_checkpoint("llama")
 
-    def make(num_blocks: int = NUM_BLOCKS, **settings: Any) -> LLMEngine:
+    def make(num_blocks: int = NUM_BLOCKS, checkpoint: LoadedCheckpoint | None = None,
+             **settings: Any) -> LLMEngine:
         config = EngineConfig(
             device="cpu", block_size=BLOCK_SIZE, kv_cache_memory=pool_bytes(num_blocks),
             max_num_seqs=6, max_num_batched_tokens=24, **settings,
         )
-        engine = LLMEngine(config, checkpoint=ckpt)
+        engine = LLMEngine(config, checkpoint=checkpoint or llama)
         assert engine.block_manager.num_blocks == num_blocks
         assert engine.block_manager.block_size == BLOCK_SIZE
         return engine
@@ -341,6 +353,76 @@ def test_block_accounting_under_random_traffic_with_speculation(
     assert stats.preempted_requests > 0 and stats.aborted_live > 0, stats
     assert 0 < stats.accepted_tokens < stats.draft_tokens, f"no accept or no reject: {stats}"
     assert stats.multi_token_outputs > 0, stats
+
+
+WINDOW = 8  # tokens, two blocks: a tiny Mistral's sliding window
+
+
+@pytest.fixture(scope="module")
+def windowed() -> LoadedCheckpoint:
+    return tiny_checkpoint("mistral", sliding_window=WINDOW)
+
+
+def test_block_accounting_under_random_traffic_with_a_sliding_window(
+        make_engine: Callable[..., LLMEngine], windowed: LoadedCheckpoint) -> None:
+    """The machine on a model whose every layer slides (8 tokens, two blocks), with
+    speculation: blocks behind the window are freed as requests run, preempted, swapped and
+    aborted, and the ledger holds after every action (`check_block_ledger`)."""
+    stats = RunStats()
+    run_state_machine_as_test(
+        lambda: EngineMachine(make_engine(NUM_BLOCKS, windowed, **SPECULATION), stats),
+        settings=settings(
+            max_examples=25, stateful_step_count=25, deadline=None,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+        ),
+    )
+    assert stats.preempted_requests > 0 and stats.aborted_live > 0, stats
+
+
+def _held_per_step(engine: LLMEngine, prompt: list[int], max_tokens: int) -> tuple[
+        list[int], list[int]]:
+    """Run one greedy request alone: the blocks it held after each step (read from its
+    table, as the block manager keeps it), and its tokens."""
+    rid = engine.add_request(prompt_token_ids=prompt, params={
+        "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True})
+    seq = engine.requests[rid].seq
+    held_after: list[int] = []
+    while engine.has_unfinished():
+        engine.step()
+        held_after.append(held(seq.block_table) if not seq.is_finished else 0)
+        check_block_ledger(engine)
+    return held_after, seq.output_token_ids
+
+
+def test_a_request_ten_windows_long_holds_its_windows_blocks_at_every_step(
+        make_engine: Callable[..., LLMEngine], windowed: LoadedCheckpoint) -> None:
+    """A Mistral-style request of 10x the window (6 + 80 tokens, 22 blocks of 4) holds at most
+    ceil(window / block_size) + 1 = 3 blocks at every step, in a pool of 16 that could not hold
+    it whole; the step timeline's KV line is flat at that height; its tokens are
+    transformers'; and the ledger is clean after it. Negative control: the same request with
+    the window's freeing off holds 21 blocks before its last step."""
+    from transformers import AutoModelForCausalLM
+
+    prompt, new = [5, 17, 300, 41, 1000, 7], 10 * WINDOW
+    bound = -(-WINDOW // BLOCK_SIZE) + 1
+    engine = make_engine(NUM_BLOCKS, windowed, timeline_steps=256)
+    assert engine.block_manager.blocks_for(len(prompt) + new) > NUM_BLOCKS
+    held_after, tokens = _held_per_step(engine, prompt, new)
+    assert max(held_after) == bound, held_after
+    kv_line = [s.kv_device_used for s in engine.recent_steps()]
+    assert len(kv_line) == len(held_after) and max(kv_line) == bound, kv_line
+    assert set(kv_line[WINDOW:-1]) <= {bound - 1, bound}, kv_line  # flat after the first window
+    assert_engine_idle(engine)
+
+    hf = AutoModelForCausalLM.from_config(windowed.config, dtype=torch.float32)
+    hf.load_state_dict(windowed.tensors)
+    assert tokens == hf_greedy(hf.eval(), {"p": prompt}, new)["p"].tokens
+
+    keep_all = make_engine(64, windowed)
+    keep_all.block_manager.sliding_window = None
+    held_all, tokens_all = _held_per_step(keep_all, prompt, new)
+    assert max(held_all) == 21 > 6 * bound  # 84 tokens' K/V before the last step
+    assert tokens_all == tokens  # the window alone decides what is read
 
 
 # -- preemption must not change what is generated -----------------------------------------------

@@ -79,6 +79,29 @@ def test_a_sequence_reads_only_its_own_blocks(cpu_backend, dtype):
     assert torch.equal(cpu_backend.decode(q, k_cache, v_cache, meta, 0.125), before)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [1, 16, 37, 300])
+def test_a_sliding_window_sees_its_last_keys_and_reads_no_block_before(cpu_backend, dtype,
+                                                                       window):
+    """A sliding-window layer's decode (each query sees its last `window` keys): the torch
+    path's windowed mask in fp32; and the blocks wholly before each window, filled with NaN
+    (freed, and maybe reused), change no bit of the kernel's output. Negative control: the
+    same batch without the window differs wherever a context is longer than it."""
+    lengths = [17, 1, 300, 33, 250]
+    q, k_cache, v_cache, meta = _decode_batch(lengths, 9, 3, 64, dtype=dtype)
+    got = cpu_backend.decode(q, k_cache, v_cache, meta, 0.125, window)
+    if dtype == torch.float32:
+        expected = TorchAttention().decode(q, k_cache, v_cache, meta, 0.125, window)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    full = cpu_backend.decode(q, k_cache, v_cache, meta, 0.125)
+    longer = [i for i, n in enumerate(lengths) if n > window]
+    assert [i for i in range(len(lengths)) if not torch.equal(got[i], full[i])] == longer
+    for i, n in enumerate(lengths):
+        for b in meta.decode_block_tables[i, :max(0, n - window) // 16].tolist():
+            k_cache[b] = v_cache[b] = float("nan")
+    assert torch.equal(cpu_backend.decode(q, k_cache, v_cache, meta, 0.125, window), got)
+
+
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (32, 8, 128)])
 @pytest.mark.parametrize("lengths", [[1], [17, 1, 300, 33], [250] * 8])
 def test_bf16_kernel_is_the_fp32_attention_rounded_once(cpu_backend, heads, kv_heads, head_dim,
@@ -262,13 +285,13 @@ def test_kernels_refuse_what_they_do_not_cover(cpu_kernels):
     q, k_cache, v_cache, meta = _decode_batch([5, 9], 9, 3, 64)
     with pytest.raises(RuntimeError, match="one block table"):
         cpu_kernels.paged_decode(q, k_cache, v_cache, meta.decode_block_tables[:1],
-                                 meta.decode_context_lens, 0.125)
+                                 meta.decode_context_lens, 0.125, 0)
     with pytest.raises(RuntimeError, match="one dtype"):
         cpu_kernels.paged_decode(q.bfloat16(), k_cache, v_cache, meta.decode_block_tables,
-                                 meta.decode_context_lens, 0.125)
+                                 meta.decode_context_lens, 0.125, 0)
     too_long = meta.decode_context_lens + 16 * meta.decode_block_tables.shape[1]
     with pytest.raises(RuntimeError, match="attends to"):
-        cpu_kernels.paged_decode(q, k_cache, v_cache, meta.decode_block_tables, too_long, 0.125)
+        cpu_kernels.paged_decode(q, k_cache, v_cache, meta.decode_block_tables, too_long, 0.125, 0)
 
 
 @pytest.mark.parametrize(("vocab", "pad"), [(49152, 0), (1000, 24), (33, 0)])

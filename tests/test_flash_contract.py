@@ -82,6 +82,23 @@ def test_backend_equals_torch_backend(provider, heads, kv_heads, block_size, dty
                                    msg=lambda m, case=case: f"{case}: {m}")
 
 
+@pytest.mark.parametrize("window", [1, 7, 100])
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_a_sliding_window_equals_the_torch_backends(provider, window):
+    """A sliding-window layer through each provider's call (`window_size=(window - 1, 0)`,
+    the reference kernels' window mask) against the torch backend's own windowed masks: two
+    implementations of transformers' rule. Negative control: full attention differs."""
+    backend = _flash(provider)
+    for case in CPU_CASES:
+        step = _step(case, heads=9, kv_heads=3, seed=window)
+        got = step.run(backend, window=window)
+        torch.testing.assert_close(got, step.run(TorchAttention(), window=window),
+                                   **TOLERANCE[torch.float32],
+                                   msg=lambda m, case=case: f"{case}: {m}")
+        if max(step.meta.max_decode_context, step.meta.max_prefill_k) > window:
+            assert not torch.allclose(got, step.run(backend), atol=1e-4), case
+
+
 def test_the_step_writes_the_cache_like_the_torch_backend():
     step = _step()
     caches = {}
@@ -99,9 +116,9 @@ class _Recording(FlashAttention):
         super().__init__(provider)
         self.steps: list[tuple[int, list[tuple[int, int]]]] = []
 
-    def __call__(self, q, k, v, k_cache, v_cache, meta, scale):
+    def __call__(self, q, k, v, k_cache, v_cache, meta, scale, window=0):
         self.steps.append((meta.num_decodes, [(s.q_len, s.context_len) for s in meta.prefills]))
-        return super().__call__(q, k, v, k_cache, v_cache, meta, scale)
+        return super().__call__(q, k, v, k_cache, v_cache, meta, scale, window)
 
 
 # a tiny random model attends almost uniformly at its default init (0.02), so attention bugs
@@ -329,7 +346,7 @@ def test_wrong_metadata_is_caught(provider, bug):
 
 
 class _NonCausalPrefill(FlashAttnProvider):
-    def prefill(self, q, k_cache, v_cache, meta, scale):
+    def prefill(self, q, k_cache, v_cache, meta, scale, window=0):
         return self._varlen(q, k_cache, v_cache, cu_seqlens_q=meta.cu_seqlens_q,
                             cu_seqlens_k=meta.cu_seqlens_k, max_seqlen_q=meta.max_prefill_q,
                             max_seqlen_k=meta.max_prefill_k, softmax_scale=scale, causal=False,
@@ -339,7 +356,7 @@ class _NonCausalPrefill(FlashAttnProvider):
 class _QueryLengthsAsKeys(TorchVarlenProvider):
     """Forgets that a chunk over a cached prefix has more keys than queries."""
 
-    def prefill(self, q, k_cache, v_cache, meta, scale):
+    def prefill(self, q, k_cache, v_cache, meta, scale, window=0):
         return self._varlen(q, k_cache, v_cache, meta.cu_seqlens_q, meta.cu_seqlens_q,
                             meta.max_prefill_q, meta.max_prefill_q, scale=scale,
                             window_size=(-1, 0), enable_gqa=True,
@@ -348,8 +365,8 @@ class _QueryLengthsAsKeys(TorchVarlenProvider):
 
 
 class _DefaultScale(FlashAttnProvider):
-    def decode(self, q, k_cache, v_cache, meta, scale):
-        return super().decode(q, k_cache, v_cache, meta, None)
+    def decode(self, q, k_cache, v_cache, meta, scale, window=0):
+        return super().decode(q, k_cache, v_cache, meta, None, window)
 
 
 def _reference_like(cls, base: str):

@@ -1,9 +1,10 @@
 """The families past Llama's shape (kvserve/workers/model_executor/families.py: Qwen3's q/k
-norms, Phi-3's fused checkpoint and long RoPE), each against transformers' own model on the
-same random weights, through the engine's whole path: a context of 300+ tokens prefilled in
-16-token chunks, a prefix-cache hit, preemption with swap to the host tier, bf16 by vLLM's
-rule; a negative control per family feature; a directory saved by `save_pretrained` served by
-`kvserve generate --model DIR`; and the refusal of architectures kvserve does not implement.
+norms, Phi-3's fused checkpoint and long RoPE, Mistral's sliding window), each against
+transformers' own model on the same random weights, through the engine's whole path: a
+context of 300+ tokens (10 of Mistral's windows) prefilled in 16-token chunks, a prefix-cache
+hit, preemption with swap to the host tier, bf16 by vLLM's rule; a negative control per family
+feature; a directory saved by `save_pretrained` served by `kvserve generate --model DIR`; and
+the refusal of architectures kvserve does not implement.
 (tests/test_model_support.py runs every family, these included, through the short-prompt
 checks; tests/test_tensor_parallel.py runs them at tp 2.)"""
 
@@ -28,6 +29,7 @@ from tests.helpers import assert_engine_idle, noisy_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
+WINDOW = 32  # Mistral's sliding window here, in tokens
 # long-RoPE with a trained length of 128: the 320-token context runs on the long factors
 LONGROPE = {"rope_type": "longrope", "original_max_position_embeddings": 128, "factor": 8.0,
             "short_factor": [1.0 + 0.1 * i for i in range(8)],
@@ -36,6 +38,9 @@ LONGROPE = {"rope_type": "longrope", "original_max_position_embeddings": 128, "f
 NEW_FAMILIES = {
     "qwen3": {},
     "phi3": {"original_max_position_embeddings": 128, "rope_parameters": LONGROPE},
+    # a 32-token window, which the 320-token context is 10x; head dim 64, so that decode steps
+    # run the CPU kernels' paged attention (64 and 128 only) with its window
+    "mistral": {"sliding_window": WINDOW, "head_dim": 64},
 }
 NEW_TOKENS = 16
 LONG = 320  # tokens: 20 blocks of 16, prefilled in 20 chunks
@@ -95,8 +100,10 @@ def test_long_chunked_context_a_prefix_hit_and_swap_equal_transformers(case: Cas
     assert _equal({**first, **rest}, case.refs) == []
     assert_engine_idle(engine)
 
-    # 30 blocks of 16 for five requests of up to 336 tokens: preemption, with swap
-    tight = _engine(case.ckpt, num_kv_blocks=30, cpu_offload_memory=16 * 1024**2)
+    # 30 blocks of 16 for five requests of up to 336 tokens: preemption, with swap. Mistral's
+    # requests hold at most 4 blocks each (16-token chunks and the 32-token window): 8 blocks
+    tight = _engine(case.ckpt, num_kv_blocks=8 if case.name == "mistral" else 30,
+                    cpu_offload_memory=16 * 1024**2)
     ours = engine_greedy(tight, case.prompts, NEW_TOKENS, concurrent=True)
     stats = tight.kv_stats()
     assert stats.preemptions > 0 and stats.blocks_swapped_out > 0, stats
@@ -118,7 +125,8 @@ def test_bf16_is_close_to_transformers_bf16_by_vllms_rule(case: Case) -> None:
 
 def _without_its_feature(case: Case) -> LLMEngine:
     """An engine on the case's checkpoint with the family's own feature removed: Qwen3's q/k
-    norms; Phi-3's long-RoPE scaling (plain RoPE instead)."""
+    norms; Phi-3's long-RoPE scaling (plain RoPE instead); Mistral's window (full attention,
+    every block kept)."""
     if case.name == "phi3":
         assert case.ckpt.config.rope_parameters["rope_type"] == "longrope"
         return _engine(case.ckpt, rope_parameters={"rope_type": "default"})
@@ -129,14 +137,26 @@ def _without_its_feature(case: Case) -> LLMEngine:
         for a in attns:
             a.q_norm = a.k_norm = None
         return engine
+    if case.name == "mistral":
+        assert [a.window for a in attns] == [WINDOW, WINDOW]
+        assert engine.block_manager.sliding_window == WINDOW
+        for a in attns:
+            a.window = 0
+        engine.block_manager.sliding_window = None
+        return engine
     raise AssertionError(f"no switch for {case.name}")
 
 
 def test_without_the_familys_feature_the_output_is_not_transformers(case: Case) -> None:
     """Negative control: the same checkpoint with the family's feature switched off (Qwen3:
-    the q/k norms; Phi-3: long RoPE) departs from transformers on every prompt."""
+    the q/k norms; Phi-3: long RoPE; Mistral: the window) departs from transformers on every
+    prompt (Mistral's: on every prompt longer than its window; within it, full attention is
+    the same attention)."""
     ours = engine_greedy(_without_its_feature(case), case.prompts, NEW_TOKENS, concurrent=True)
-    assert sorted(_equal(ours, case.refs)) == sorted(case.prompts)
+    affected = [name for name, ids in case.prompts.items()
+                if case.name != "mistral" or len(ids) + NEW_TOKENS > WINDOW]
+    assert len(affected) >= 4
+    assert sorted(_equal(ours, case.refs)) == sorted(affected)
 
 
 @pytest.mark.slow

@@ -58,16 +58,16 @@ class Step:
         self.v = torch.randn(tokens, kv_heads, HEAD_DIM, generator=gen).to(DEVICE, dtype)
         write_kv(self.k, self.v, self.k_cache, self.v_cache, self.meta.slot_mapping)
 
-    def triton(self, meta=None) -> torch.Tensor:
+    def triton(self, meta=None, window: int = 0) -> torch.Tensor:
         m = meta or self.meta
         return triton_kernels.paged_attention(
             self.q, self.k_cache, self.v_cache, m.block_tables, m.seq_lens, m.query_start_loc,
-            m.num_decodes, SCALE, dot_fp32=False)
+            m.num_decodes, SCALE, dot_fp32=False, window=window)
 
-    def reference(self) -> torch.Tensor:
+    def reference(self, window: int = 0) -> torch.Tensor:
         # fp32 SDPA over the same cache: the reference the torch backend serves with
         f32 = [t.float() for t in (self.q, self.k, self.v, self.k_cache, self.v_cache)]
-        return TorchAttention().attend(*f32, self.meta, SCALE).to(self.q.dtype)
+        return TorchAttention().attend(*f32, self.meta, SCALE, window).to(self.q.dtype)
 
 
 def _slot(table, position, block_size):
@@ -179,9 +179,10 @@ def test_a_different_split_rule_changes_the_bits(monkeypatch):
     assert not torch.equal(one, three)
 
 
-def test_a_prompts_rows_do_not_depend_on_its_chunking():
+@pytest.mark.parametrize("window", [0, 37])
+def test_a_prompts_rows_do_not_depend_on_its_chunking(window):
     """A 150-token prompt attended as one chunk, and as chunks of 64 + 86 (the second over the
-    cached first): every row bit-identical."""
+    cached first): every row bit-identical, with a sliding window too."""
     table = _tables([150], 16, 12)[0]
     pool = (torch.randn(12, 16, 2, HEAD_DIM), torch.randn(12, 16, 2, HEAD_DIM))
     whole = Step([], [(table, 150, 150)], num_blocks=12, pool=pool, seed=3)
@@ -192,9 +193,31 @@ def test_a_prompts_rows_do_not_depend_on_its_chunking():
         step.v_cache.copy_(whole.v_cache)
     first.q.copy_(whole.q[:64])
     second.q[1:] = whole.q[64:]
-    out = whole.triton()
-    assert torch.equal(first.triton(), out[:64])
-    assert torch.equal(second.triton()[1:], out[64:])
+    out = whole.triton(window=window)
+    assert torch.equal(first.triton(window=window), out[:64])
+    assert torch.equal(second.triton(window=window)[1:], out[64:])
+
+
+@pytest.mark.parametrize("window", [1, 37, 300])
+def test_a_sliding_window_equals_the_reference_and_reads_no_block_before_it(window):
+    """Decodes of 17, 257, 600 and 700 keys (the last ones split over the window, not the
+    context) and prefill chunks over a cached prefix, each query seeing its last `window`
+    keys: the reference's windowed mask. Then every block wholly before a sequence's first
+    window, filled with NaN (freed, maybe reused), changes no bit. Negative control: without
+    the window the output is another."""
+    lens = [17, 257, 600, 700, 40, 100]
+    tables = _tables(lens, 16, 120)
+    decodes = list(zip(tables[:4], lens[:4], strict=True))
+    prefills = [(tables[4], 40, 40), (tables[5], 30, 100)]
+    step = Step(decodes, prefills, num_blocks=120)
+    out = step.triton(window=window)
+    torch.testing.assert_close(out, step.reference(window), rtol=2e-5, atol=2e-5)
+    assert not torch.allclose(step.triton(), out, rtol=1e-3, atol=1e-3)
+    first_rows = [n - 1 for n in lens[:4]] + [0, 70]  # each sequence's first query position
+    for table, first in zip(tables, first_rows, strict=True):
+        for b in table[:max(0, first - window + 1) // 16]:
+            step.k_cache[b] = step.v_cache[b] = float("nan")
+    assert torch.equal(step.triton(window=window), out)
 
 
 def test_a_padding_row_reads_nothing_and_gives_zeros():

@@ -38,6 +38,7 @@ from kvserve.workers.model_executor.cpu_kernels import (
 )
 from kvserve.workers.model_executor.cuda_graphs import graph_batch_sizes, graph_memory_bytes
 from kvserve.workers.model_executor.draft_proposer import DraftModelProposer
+from kvserve.workers.model_executor.families import kv_window
 from kvserve.workers.model_executor.kv_cache import KVCacheSpec
 from kvserve.workers.model_executor.loader import (
     DEFAULT_MODEL,
@@ -147,7 +148,8 @@ def build_engine_parts(config: EngineConfig, checkpoint: LoadedCheckpoint | None
     host = HostBlockPool(num_host_blocks, kv_events) if num_host_blocks else None
     block_manager = BlockManager(num_blocks, block_size,
                                  enable_caching=config.enable_prefix_caching, host=host,
-                                 events=kv_events)
+                                 events=kv_events, sliding_window=kv_window(ckpt.config),
+                                 max_step_tokens=config.max_num_batched_tokens)
     eos = eos_ids(ckpt)
     scheduler = Scheduler(block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                           max_model_len, eos)
@@ -241,13 +243,8 @@ def make_proposer(config: EngineConfig, target: LoadedCheckpoint,
 
 
 def model_len(config: EngineConfig, hf_config) -> int:
-    """The context length: max_model_len, else the model's, within a sliding window."""
-    length = config.max_model_len or hf_config.max_position_embeddings
-    # sliding-window attention is not implemented: stay within the window, where it is exact
-    window = getattr(hf_config, "sliding_window", None)
-    if window and getattr(hf_config, "use_sliding_window", True):
-        length = min(length, window)
-    return length
+    """The context length: max_model_len, else the model's."""
+    return config.max_model_len or hf_config.max_position_embeddings
 
 
 def resolve_device(name: str) -> torch.device:

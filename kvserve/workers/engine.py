@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 
 from kvserve.workers.builder import ModelInfo, Proposer, build_engine_parts
 from kvserve.workers.config import EngineConfig
+from kvserve.workers.core.block_manager import held
 from kvserve.workers.core.outputs import (
     KVCacheStats,
     RequestOutput,
@@ -196,7 +197,7 @@ class LLMEngine:
     def request_blocks(self) -> dict[str, int]:
         """Live request id -> the KV blocks it holds in either tier (for the cache manager).
         Safe from another thread: it reads a copy of the request table."""
-        return {rid: len(r.seq.block_table) + len(r.seq.host_table)
+        return {rid: held(r.seq.block_table) + held(r.seq.host_table)
                 for rid, r in list(self.requests.items())}
 
     def kv_cache_usage(self) -> float:

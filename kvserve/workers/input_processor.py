@@ -99,7 +99,7 @@ class InputProcessor:
                 f"prompt ({prompt_len}) + max_tokens ({params.max_tokens}) exceeds "
                 f"the context of {self.max_model_len} tokens",
             )
-        needed = self.block_manager.blocks_for(prompt_len + params.max_tokens)
+        needed = self.block_manager.blocks_at_most(prompt_len + params.max_tokens)
         if needed > self.block_manager.num_blocks:
             raise InvalidRequestError(
                 "max_tokens",

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvserve.workers.core.block_manager import BlockManager
+from kvserve.workers.core.block_manager import BlockManager, held
 from kvserve.workers.core.scheduler import Scheduler, SchedulerOutput
 from kvserve.workers.core.sequence import FinishReason, Sequence
 from kvserve.workers.core.timeline import (
@@ -114,7 +114,7 @@ class StepRecorder:
         seqs = {s.request_id: s for s in scheduled.preempted}
         for rid, event in preemption_events(
                 [Preemption(s.request_id, bool(s.host_table)) for s in scheduled.preempted],
-                clock.started, step, {s.request_id: len(s.host_table) for s in seqs.values()}):
+                clock.started, step, {s.request_id: held(s.host_table) for s in seqs.values()}):
             seqs[rid].events.append(event)
 
     def record(self, index: int, clock: PhaseClock, scheduled: SchedulerOutput,

@@ -17,6 +17,12 @@ all the scheduler calls: this class alone computes prefix hashes, grows and empt
 results (a `KVCacheBlocks`, a token count, whether a preemption swapped). The list-level
 primitives under them (`allocate(block_table, n)`, `deallocate`, `match_prefix`, `swap_out`,
 ...) are the pool itself, kept public for the block-accounting unit tests.
+
+With a sliding window on every layer (`sliding_window`: Mistral), a running request's blocks
+that the window has left are freed while it runs (`allocate_slots` slides first): its table
+keeps their places as NO_BLOCK, and a request holds at most ceil(window / block_size) + 1
+blocks while it decodes (vLLM's SlidingWindowManager). A full block freed so goes to the prefix
+cache like any other, kept for a later request with the same prefix.
 """
 
 from __future__ import annotations
@@ -35,6 +41,15 @@ from kvserve.workers.core.timeline import BlockActivity
 
 if TYPE_CHECKING:  # only its attributes are used here; sequence.py imports torch
     from kvserve.workers.core.sequence import Sequence as Request
+
+
+NO_BLOCK = -1  # a table entry whose block was freed behind the sliding window
+
+
+def held(table: Sequence[int]) -> int:
+    """The blocks a block table (or host table) holds: its entries, less those freed behind a
+    sliding window."""
+    return len(table) - table.count(NO_BLOCK) if table and table[0] == NO_BLOCK else len(table)
 
 
 @dataclass
@@ -57,10 +72,14 @@ class BlockManager:
     def __init__(
         self, num_blocks: int, block_size: int, enable_caching: bool = False,
         host: HostBlockPool | None = None, events: KVEvents | None = None,
+        sliding_window: int | None = None, max_step_tokens: int | None = None,
     ) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
         self.block_size = block_size
+        # every layer's window (the widest, in tokens): blocks behind it are freed; None: none
+        self.sliding_window = sliding_window
+        self.max_step_tokens = max_step_tokens  # the most tokens a request computes in a step
         self.enable_caching = enable_caching
         self.host = host
         self.events = events or KVEvents()
@@ -98,18 +117,32 @@ class BlockManager:
         that many for the request to ever finish)."""
         return -(-num_tokens // self.block_size)
 
-    def blocks_needed(self, block_table: list[int], num_tokens: int) -> int:
-        """Blocks to add so that `block_table` holds `num_tokens` tokens."""
-        return max(0, -(-num_tokens // self.block_size) - len(block_table))
+    def blocks_at_most(self, num_tokens: int) -> int:
+        """The most blocks a request of `num_tokens` tokens holds at once: all of them; with
+        a sliding window (and `max_step_tokens`), at most its window's and one step's: a step
+        of q tokens after c reads c - window + 1 .. c + q - 1, ceil((window - 1 + q) /
+        block_size) + 1 blocks (ceil(window / block_size) + 1 while it decodes)."""
+        full = self.blocks_for(num_tokens)
+        if not self.sliding_window or not self.max_step_tokens:
+            return full
+        span = self.sliding_window - 1 + self.max_step_tokens
+        return min(full, -(-span // self.block_size) + 1)
 
-    def can_allocate(self, block_table: list[int], num_tokens: int) -> bool:
-        return self.blocks_needed(block_table, num_tokens) <= self.num_free
+    def blocks_needed(self, block_table: list[int], num_tokens: int, first: int = 0) -> int:
+        """Blocks to add so that `block_table` holds `num_tokens` tokens (from its block
+        `first` on: the places before it are NO_BLOCK)."""
+        return max(0, -(-num_tokens // self.block_size) - max(len(block_table), first))
 
-    def allocate(self, block_table: list[int], num_tokens: int) -> None:
-        """Grow `block_table` in place to hold `num_tokens` tokens."""
-        needed = self.blocks_needed(block_table, num_tokens)
+    def can_allocate(self, block_table: list[int], num_tokens: int, first: int = 0) -> bool:
+        return self.blocks_needed(block_table, num_tokens, first) <= self.num_free
+
+    def allocate(self, block_table: list[int], num_tokens: int, first: int = 0) -> None:
+        """Grow `block_table` in place to hold `num_tokens` tokens; places before block
+        `first` (behind a sliding window) get NO_BLOCK, not a block."""
+        needed = self.blocks_needed(block_table, num_tokens, first)
         if needed > self.num_free:
             raise MemoryError(f"need {needed} KV blocks, {self.num_free} free")
+        block_table += [NO_BLOCK] * (first - len(block_table))
         for _ in range(needed):
             block = self.blocks[self._take()]
             assert block.ref_count == 0, f"block {block.block_id} is free but referenced"
@@ -142,6 +175,8 @@ class BlockManager:
     def deallocate(self, block_table: list[int]) -> None:
         """Release every block of `block_table` and empty it."""
         for block_id in reversed(block_table):
+            if block_id == NO_BLOCK:
+                continue
             block = self.blocks[block_id]
             assert block.ref_count > 0, f"double free of block {block_id}"
             block.ref_count -= 1
@@ -223,15 +258,42 @@ class BlockManager:
         seq.num_computed_tokens = seq.num_cached_blocks = 0
 
     def allocate_slots(self, seq: Request, num_tokens: int) -> KVCacheBlocks | None:
-        """Grow `seq`'s table to hold `num_tokens` tokens; None, with nothing changed, when the
-        pool (free and evictable cached blocks) has too few."""
-        if not self.can_allocate(seq.block_table, num_tokens):
+        """Grow `seq`'s table to hold `num_tokens` tokens; None, with nothing more changed,
+        when the pool (free and evictable cached blocks) has too few. With a sliding window
+        the blocks behind it are freed first (`slide`)."""
+        first = self.slide(seq)
+        if not self.can_allocate(seq.block_table, num_tokens, first):
             return None
-        start, before = len(seq.block_table), self._traffic()
-        self.allocate(seq.block_table, num_tokens)
+        start, before = max(len(seq.block_table), first), self._traffic()
+        self.allocate(seq.block_table, num_tokens, first)
         if len(seq.block_table) > start:
             self._note(seq, before, allocated=len(seq.block_table) - start)
         return KVCacheBlocks(tuple(seq.block_table[start:]))
+
+    def window_start(self, num_computed_tokens: int) -> int:
+        """The first block a request with `num_computed_tokens` tokens in the cache still
+        reads: its next query, at position num_computed_tokens, sees the keys from
+        num_computed_tokens - window + 1 on. 0 without a sliding window."""
+        if not self.sliding_window:
+            return 0
+        return max(0, num_computed_tokens - self.sliding_window + 1) // self.block_size
+
+    def slide(self, seq: Request) -> int:
+        """Free `seq`'s blocks that have left the sliding window (each full one stays in the
+        prefix cache, as a finished request's would) and return the window's first block.
+        Their places become NO_BLOCK, a run from the table's start: a walk back from the
+        window stops at the first one already freed."""
+        first = self.window_start(seq.num_computed_tokens)
+        table, left = seq.block_table, []
+        i = min(first, len(table)) - 1
+        while i >= 0 and table[i] != NO_BLOCK:
+            left.append(table[i])
+            table[i] = NO_BLOCK
+            i -= 1
+        if left:
+            self._note(seq, None, freed=len(left))
+            self.deallocate(left[::-1])  # the earliest blocks stay cached the longest
+        return first
 
     def trim(self, seq: Request, num_tokens: int) -> None:
         """Shrink `seq`'s table to the blocks `num_tokens` tokens fill: the slots of rejected
@@ -256,7 +318,7 @@ class BlockManager:
                 self._note(seq, None, hit=seq.num_cached_blocks)
         if seq.host_table:
             self.swap_in(seq.host_table, seq.block_table)
-            self._note(seq, None, swapped_in=len(seq.host_table))
+            self._note(seq, None, swapped_in=held(seq.host_table))
             seq.host_table = []
 
     def cache_full_blocks(self, seq: Request) -> None:
@@ -268,8 +330,9 @@ class BlockManager:
         full = seq.num_computed_tokens // size
         extend_block_hashes(seq.block_hashes, seq.token_ids, size, full, seq.cache_salt)
         for i in range(seq.num_cached_blocks, full):
-            self.cache_block(seq.block_table[i], seq.block_hashes[i],
-                             seq.token_ids[i * size:(i + 1) * size])
+            if seq.block_table[i] != NO_BLOCK:
+                self.cache_block(seq.block_table[i], seq.block_hashes[i],
+                                 seq.token_ids[i * size:(i + 1) * size])
         seq.num_cached_blocks = max(seq.num_cached_blocks, full)
 
     def preempt(self, seq: Request) -> bool:
@@ -278,13 +341,13 @@ class BlockManager:
         swapped = self.can_swap_out(seq.block_table)
         if swapped:
             seq.host_table = self.swap_out(seq.block_table)
-        self._note(seq, None, freed=len(seq.block_table), swapped_out=len(seq.host_table))
+        self._note(seq, None, freed=held(seq.block_table), swapped_out=held(seq.host_table))
         self.deallocate(seq.block_table)
         return swapped
 
     def free(self, seq: Request) -> None:
         """`seq` ended (finished or aborted): every block it holds, in either tier, is freed."""
-        self._note(seq, None, freed=len(seq.block_table) + len(seq.host_table))
+        self._note(seq, None, freed=held(seq.block_table) + held(seq.host_table))
         self.deallocate(seq.block_table)
         self.free_swapped(seq.host_table)
         seq.host_table = []
@@ -335,27 +398,32 @@ class BlockManager:
 
     # -- swapping (preemption with a host tier) --------------------------------------------
     def can_swap_out(self, block_table: list[int]) -> bool:
-        return self.host is not None and len(block_table) <= self.host.num_free
+        return self.host is not None and held(block_table) <= self.host.num_free
 
     def swap_out(self, block_table: list[int]) -> list[int]:
-        """Queue copies of `block_table` to new host blocks (the caller then deallocates it)."""
+        """Queue copies of `block_table` to new host blocks (the caller then deallocates it);
+        a place freed behind the window stays NO_BLOCK in the host table."""
         assert self.host is not None
-        host_table = [self.host.take() for _ in block_table]
+        host_table = [NO_BLOCK if b == NO_BLOCK else self.host.take() for b in block_table]
         assert None not in host_table, "swap_out without can_swap_out"
-        self.plan.to_host += zip(block_table, host_table, strict=True)
-        self.num_swapped_out += len(host_table)
+        pairs = [(b, h) for b, h in zip(block_table, host_table, strict=True) if b != NO_BLOCK]
+        self.plan.to_host += pairs
+        self.num_swapped_out += len(pairs)
         return host_table
 
     def swap_in(self, host_table: list[int], block_table: list[int]) -> None:
-        """Queue copies back into the first blocks of the (allocated) `block_table`."""
-        self.plan.to_device += zip(host_table, block_table[: len(host_table)], strict=True)
-        self.plan.release_host += host_table
-        self.num_swapped_in += len(host_table)
+        """Queue copies back into the first blocks of the (allocated) `block_table`. A block
+        the window left while the request waited has no place there: it is released unread."""
+        pairs = [(h, b) for h, b in zip(host_table, block_table[: len(host_table)], strict=True)
+                 if h != NO_BLOCK and b != NO_BLOCK]
+        self.plan.to_device += pairs
+        self.plan.release_host += [h for h in host_table if h != NO_BLOCK]
+        self.num_swapped_in += len(pairs)
 
     def free_swapped(self, host_table: list[int]) -> None:
         """A swapped-out sequence ended before resuming (between steps: no copy pending)."""
         if self.host is not None:
-            self.host.release(host_table)
+            self.host.release([h for h in host_table if h != NO_BLOCK])
 
     def take_copy_plan(self) -> KVCopyPlan:
         plan, self.plan = self.plan, KVCopyPlan()

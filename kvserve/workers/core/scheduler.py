@@ -103,8 +103,9 @@ class Scheduler:
         )
 
     def kv_blocks_at_longest(self, seq: Sequence) -> int:
-        """KV blocks `seq` holds at its longest (prompt + max_tokens)."""
-        return self.kv.blocks_for(seq.num_prompt_tokens + seq.params.max_tokens)
+        """KV blocks `seq` holds at its longest (prompt + max_tokens; with a sliding window,
+        at most the window's)."""
+        return self.kv.blocks_at_most(seq.num_prompt_tokens + seq.params.max_tokens)
 
     def schedule(self, budget: int | None = None) -> SchedulerOutput:
         """This step's chunks, within `budget` tokens (default max_num_batched_tokens)."""

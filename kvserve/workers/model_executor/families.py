@@ -43,17 +43,39 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("llama", "Llama", "Llama 2/3/3.1/3.2, SmolLM2, TinyLlama"),
     Family("qwen2", "Qwen2", "Qwen2, Qwen2.5", qkv_bias=True),
     Family("mistral", "Mistral", "Mistral 7B",
-           notes="sliding-window attention is not implemented: the context is capped at the "
-                 "window, where full attention is exact"),
+           notes="sliding-window attention on every layer: a request's KV blocks that have "
+                 "left the window are freed (or kept in the prefix cache) while it runs"),
     Family("phi3", "Phi-3", "Phi-3-mini/small/medium, Phi-3.5-mini", block_codes=False,
            notes="q/k/v and gate/up come fused in the checkpoint (split per rank under tp); "
                  "long-RoPE scaling as transformers (short factors up to the trained length, "
-                 "long past it); a partial rotary factor (Phi-4-mini) is refused; its window "
-                 "caps the context, as Mistral's; GGUF block codes are untested for it"),
+                 "long past it); a partial rotary factor (Phi-4-mini) is refused; its sliding "
+                 "window, where the config sets one, as Mistral's; GGUF block codes are "
+                 "untested for it"),
     Family("qwen3", "Qwen3", "Qwen3 dense (0.6B-32B)", qk_norm=True, block_codes=False,
            notes="CPU decode steps run the layer op by op (the one-call C++ decode layer has "
                  "no q/k norms); GGUF block codes are untested for it"),
 )}
+
+
+def layer_windows(config: Any) -> list[int]:
+    """Each layer's sliding window in keys (0: full attention), as transformers reads the
+    config: `layer_types` where it has them (Qwen2/3 with `use_sliding_window`, Gemma), else
+    `sliding_window` on every layer (Mistral, Phi-3). A query at position p sees the keys at
+    p - window + 1 .. p (transformers' `sliding_window_overlay`: kv > q - window)."""
+    window = getattr(config, "sliding_window", None) or 0
+    if getattr(config, "use_sliding_window", True) is False:
+        window = 0
+    types = getattr(config, "layer_types", None)
+    if types:
+        return [window if kind == "sliding_attention" else 0 for kind in types]
+    return [window] * config.num_hidden_layers
+
+
+def kv_window(config: Any) -> int | None:
+    """The window a request's KV blocks can be freed behind: the widest layer's, when every
+    layer slides (Mistral); None when a layer attends to the whole context."""
+    windows = layer_windows(config)
+    return max(windows) if windows and all(windows) else None
 
 
 def family_of(config: Any) -> Family:

@@ -29,7 +29,7 @@ from kvserve.workers.model_executor.cpu_kernels import (
     elementwise_available_for,
     linear_available_for,
 )
-from kvserve.workers.model_executor.families import family_of
+from kvserve.workers.model_executor.families import family_of, layer_windows
 from kvserve.workers.model_executor.rope import rotate
 from kvserve.workers.parallel import shard
 
@@ -152,9 +152,11 @@ class Attention(nn.Module):
     kernels: CpuKernels | None = None  # cpu_kernels, in fp32 and bf16 on CPUs
     triton_ops: ModuleType | None = None  # triton_ops, with the triton attention backend
 
-    def __init__(self, config: PretrainedConfig, tp: TPGroup | None = None) -> None:
+    def __init__(self, config: PretrainedConfig, tp: TPGroup | None = None,
+                 window: int = 0) -> None:
         super().__init__()
         self.tp = tp
+        self.window = window  # keys a query sees back from itself; 0: the whole context
         size = tp.size if tp else 1
         # this rank's heads (all of them without tp)
         self.num_heads = config.num_attention_heads // size
@@ -192,7 +194,7 @@ class Attention(nn.Module):
             self.triton_ops.rotary_write_kv_(qkv, self.num_heads, self.num_kv_heads, cos, sin,
                                              kv[0], kv[1], meta.slot_mapping)
             q, k, v = qkv.split((self.num_heads, self.num_kv_heads, self.num_kv_heads), dim=1)
-            out = backend.attend(q, k, v, kv[0], kv[1], meta, self.scale)
+            out = backend.attend(q, k, v, kv[0], kv[1], meta, self.scale, self.window)
             return self._project_out(out.reshape(tokens, -1))
         if self.kernels is not None:  # q and k rotated in place, one pass
             self.kernels.rotary_(qkv, rotated, cos, sin)
@@ -201,7 +203,8 @@ class Attention(nn.Module):
             qk = rotate(qkv[:, :rotated], cos, sin)
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         v = qkv[:, rotated:]
-        out = backend(q, k, v, kv[0], kv[1], meta, self.scale)  # [tokens, heads, head_dim]
+        # [tokens, heads, head_dim]
+        out = backend(q, k, v, kv[0], kv[1], meta, self.scale, self.window)
         return self._project_out(out.reshape(tokens, -1))
 
     def _norm_qk_(self, qkv: torch.Tensor) -> None:
@@ -243,10 +246,11 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, tp: TPGroup | None = None) -> None:
+    def __init__(self, config: PretrainedConfig, tp: TPGroup | None = None,
+                 window: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, tp)
+        self.self_attn = Attention(config, tp, window)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config, tp)
 
@@ -283,8 +287,8 @@ class CausalLM(nn.Module):
         # call imports torch._dynamo (0.65 CPU-s of every engine process's start)
         self.embed_tokens = nn.Embedding(
             self.vocab, config.hidden_size, _weight=torch.empty(self.vocab, config.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(config, tp)
-                                    for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, tp, window)
+                                    for window in layer_windows(config))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = Linear(config.hidden_size, self.vocab, bias=False)
         if config.tie_word_embeddings:
@@ -335,10 +339,12 @@ class CausalLM(nn.Module):
         attn = self.layers[0].self_attn
         dims = [attn.num_heads, attn.num_kv_heads, attn.head_dim, self.layers[0].mlp.intermediate]
         eps = self.layers[0].input_layernorm.eps
-        for weights, (k_cache, v_cache) in zip(self.decode_weights, kv_cache, strict=True):
+        for layer, weights, (k_cache, v_cache) in zip(self.layers, self.decode_weights, kv_cache,
+                                                      strict=True):
             h = self.decode_kernels.decode_layer(
                 h, weights, dims, cos, sin, k_cache, v_cache, meta.slot_mapping,
-                meta.decode_block_tables, meta.decode_context_lens, attn.scale, eps)
+                meta.decode_block_tables, meta.decode_context_lens, attn.scale, eps,
+                layer.self_attn.window)
         return h
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """Attention backends behind one call signature:
-`backend(q, k, v, k_cache, v_cache, meta, scale) -> out` with q/out: [tokens, heads, head_dim].
+`backend(q, k, v, k_cache, v_cache, meta, scale, window) -> out` with q/out: [tokens, heads,
+head_dim]; `window` > 0 for a sliding-window layer (each query sees its last `window` keys).
 """
 
 from __future__ import annotations

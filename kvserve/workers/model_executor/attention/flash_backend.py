@@ -52,10 +52,16 @@ class KernelProvider(Protocol):
     dtypes: tuple[torch.dtype, ...]
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               meta: AttentionMetadata, scale: float) -> torch.Tensor: ...
+               meta: AttentionMetadata, scale: float, window: int = 0) -> torch.Tensor: ...
 
     def prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor: ...
+                meta: AttentionMetadata, scale: float, window: int = 0) -> torch.Tensor: ...
+
+
+def left_window(window: int) -> int:
+    """FlashAttention's `window_size[0]` for a sliding window of `window` keys (the query's own
+    key and window - 1 before it); -1, unbounded, for full attention."""
+    return window - 1 if window else -1
 
 
 class FlashAttnProvider:
@@ -82,16 +88,19 @@ class FlashAttnProvider:
         self.dtypes = dtypes
         self._decode_splits = 1 if batch_invariant else 0  # 0: the kernel's heuristic
 
-    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+               window: int = 0) -> torch.Tensor:
         # q: [decodes, heads, head_dim] -> [decodes, 1, heads, head_dim]: one query per sequence
         out = self._with_kvcache(
             q.unsqueeze(1), k_cache, v_cache,
             cache_seqlens=meta.decode_context_lens, block_table=meta.decode_block_tables,
-            softmax_scale=scale, causal=True, num_splits=self._decode_splits,
+            softmax_scale=scale, causal=True, window_size=(left_window(window), 0),
+            num_splits=self._decode_splits,
         )  # [decodes, 1, heads, head_dim]
         return out.squeeze(1)
 
-    def prefill(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def prefill(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                window: int = 0) -> torch.Tensor:
         # q: [prefill tokens, heads, head_dim]. The chunks' k/v are already in the cache, so
         # every chunk reads its whole context (cached prefix + itself) through its block table;
         # cu_seqlens_k then only says how many keys each chunk has, causal aligns bottom-right
@@ -99,7 +108,8 @@ class FlashAttnProvider:
             q, k_cache, v_cache,
             cu_seqlens_q=meta.cu_seqlens_q, cu_seqlens_k=meta.cu_seqlens_k,
             max_seqlen_q=meta.max_prefill_q, max_seqlen_k=meta.max_prefill_k,
-            softmax_scale=scale, causal=True, block_table=meta.prefill_block_tables,
+            softmax_scale=scale, causal=True, window_size=(left_window(window), 0),
+            block_table=meta.prefill_block_tables,
         )
 
 
@@ -126,26 +136,29 @@ class TorchVarlenProvider:
         # the step's derived tensors, made at the first layer and reused by the others
         self._step: tuple[AttentionMetadata | None, dict[str, torch.Tensor]] = (None, {})
 
-    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+               window: int = 0) -> torch.Tensor:
         # q: [decodes, heads, head_dim], each a sequence of one query. A single query row sees
         # every key of its sequence whether causal or not; non-causal (-1, -1) lets the kernel
-        # fold the GQA group into the query rows (mha_varlen_fwd's seqlenq_ngroups_swapped)
+        # fold the GQA group into the query rows (mha_varlen_fwd's seqlenq_ngroups_swapped).
+        # A sliding window is causal: (window - 1, 0), bottom-right aligned
         step = self._derived(meta)
         return self._varlen(
             q, k_cache, v_cache, step["decode_cu_q"], step["decode_cu_k"],
             1, meta.max_decode_context,
-            scale=scale, window_size=(-1, -1), enable_gqa=True,
+            scale=scale, window_size=(window - 1, 0) if window else (-1, -1), enable_gqa=True,
             seqused_k=meta.decode_context_lens, block_table=meta.decode_block_tables,
             num_splits=self._decode_splits,
         )
 
-    def prefill(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def prefill(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                window: int = 0) -> torch.Tensor:
         # q: [prefill tokens, heads, head_dim]; k/v of the chunks are in the cache already
         step = self._derived(meta)
         return self._varlen(
             q, k_cache, v_cache, meta.cu_seqlens_q, meta.cu_seqlens_k,
             meta.max_prefill_q, meta.max_prefill_k,
-            scale=scale, window_size=(-1, 0), enable_gqa=True,
+            scale=scale, window_size=(left_window(window), 0), enable_gqa=True,
             seqused_k=step["prefill_seqused_k"], block_table=meta.prefill_block_tables,
         )
 
@@ -185,20 +198,21 @@ class FlashAttention(PagedAttention):
         return self.provider.block_multiple
 
     def __call__(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata,
-                 scale: float) -> torch.Tensor:
+                 scale: float, window: int = 0) -> torch.Tensor:
         if q.dtype not in self.provider.dtypes:  # the kernel's own error says less
             names = ", ".join(str(d).removeprefix("torch.") for d in self.provider.dtypes)
             raise ValueError(f"attention_backend flash_attn ({self.kernel_name}) runs {names}, "
                              f"not {str(q.dtype).removeprefix('torch.')}")
-        return super().__call__(q, k, v, k_cache, v_cache, meta, scale)
+        return super().__call__(q, k, v, k_cache, v_cache, meta, scale, window)
 
-    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        return self.provider.decode(q, k_cache, v_cache, meta, scale)
+    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+               window: int = 0) -> torch.Tensor:
+        return self.provider.decode(q, k_cache, v_cache, meta, scale, window)
 
     def prefill(
-        self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float
+        self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int = 0,
     ) -> torch.Tensor:
-        return self.provider.prefill(q, k_cache, v_cache, meta, scale)
+        return self.provider.prefill(q, k_cache, v_cache, meta, scale, window)
 
 
 # -- provider selection ---------------------------------------------------------------------

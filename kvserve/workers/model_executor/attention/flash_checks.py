@@ -84,10 +84,11 @@ class Step:
     meta: AttentionMetadata
     scale: float
 
-    def run(self, backend: PagedAttention, meta: AttentionMetadata | None = None) -> torch.Tensor:
+    def run(self, backend: PagedAttention, meta: AttentionMetadata | None = None,
+            window: int = 0) -> torch.Tensor:
         """backend(...) on copies of the caches (it writes this step's k/v into them)."""
         return backend(self.q, self.k, self.v, self.k_cache.clone(), self.v_cache.clone(),
-                       meta or self.meta, self.scale)
+                       meta or self.meta, self.scale, window)
 
 
 def random_step(

@@ -60,6 +60,19 @@ class AttentionMetadata:
         keys = torch.arange(self.max_decode_context, device=lens.device)
         return (keys[None, :] < lens[:, None])[:, None, None, :]
 
+    def decode_window_mask(self, window: int) -> torch.Tensor | None:
+        """`decode_mask` for a sliding-window layer: True where a key is within the sequence
+        and among its last `window` keys (one per window size, built on first use)."""
+        if not window or window >= self.max_decode_context:
+            return self.decode_mask
+        masks = self.__dict__.setdefault("_window_masks", {})
+        if window not in masks:
+            lens = self.decode_context_lens
+            keys = torch.arange(self.max_decode_context, device=lens.device)[None, :]
+            seen = (keys < lens[:, None]) & (keys >= lens[:, None] - window)
+            masks[window] = seen[:, None, None, :]
+        return masks[window]
+
 
 def build(
     device: torch.device,
@@ -104,10 +117,13 @@ def build(
 
 
 def _padded(tables: list[Sequence[int]], lengths: list[int], block_size: int) -> list[list[int]]:
-    """Each table cut to the blocks its length needs, padded with block 0 to the widest."""
+    """Each table cut to the blocks its length needs, padded with block 0 to the widest; a
+    block freed behind a sliding window (NO_BLOCK) reads as block 0 too: the kernels start at
+    the window, and the torch backend's gather masks what it reads there."""
     needed = [-(-n // block_size) for n in lengths]
     width = max(needed, default=0)
-    return [list(t[:n]) + [0] * (width - n) for t, n in zip(tables, needed, strict=True)]
+    return [(list(t[:n]) if not n or t[0] >= 0 else [max(b, 0) for b in t[:n]])
+            + [0] * (width - n) for t, n in zip(tables, needed, strict=True)]
 
 
 def _flat(rows: list[list[int]]) -> list[int]:

@@ -37,30 +37,37 @@ class PagedAttention:
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+        window: int = 0,
     ) -> torch.Tensor:
         # q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim]
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        return self.attend(q, k, v, k_cache, v_cache, meta, scale)
+        return self.attend(q, k, v, k_cache, v_cache, meta, scale, window)
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+        window: int = 0,
     ) -> torch.Tensor:
         """Attention over a cache that already holds the step's K/V (the model's fused RoPE
-        and KV-write kernel wrote them): decodes first, prefill chunks after."""
+        and KV-write kernel wrote them): decodes first, prefill chunks after. `window` > 0: a
+        query at position p sees the keys at p - window + 1 .. p only (a sliding-window
+        layer); the blocks before its window may be freed (their table entries read as block
+        0), so no backend reads keys there."""
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
-            out[:nd] = self.decode(q[:nd], k_cache, v_cache, meta, scale)
+            out[:nd] = self.decode(q[:nd], k_cache, v_cache, meta, scale, window)
         if meta.prefills:
-            out[nd:] = self.prefill(q[nd:], k[nd:], v[nd:], k_cache, v_cache, meta, scale)
+            out[nd:] = self.prefill(q[nd:], k[nd:], v[nd:], k_cache, v_cache, meta, scale,
+                                    window)
         return out
 
-    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+               window: int = 0) -> torch.Tensor:
         raise NotImplementedError
 
     def prefill(
-        self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float
+        self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int = 0,
     ) -> torch.Tensor:
         raise NotImplementedError
 
@@ -68,7 +75,8 @@ class PagedAttention:
 class TorchAttention(PagedAttention):
     name = "torch"
 
-    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+               window: int = 0) -> torch.Tensor:
         length = meta.max_decode_context
         keys = gather_kv(k_cache, meta.decode_block_tables, length)
         values = gather_kv(v_cache, meta.decode_block_tables, length)
@@ -78,34 +86,45 @@ class TorchAttention(PagedAttention):
         # not once per query head (one token per sequence, so one mask row serves them all)
         grouped = q.view(seqs, kv_heads, heads // kv_heads, head_dim)
         out = F.scaled_dot_product_attention(
-            grouped, keys, values, attn_mask=meta.decode_mask, scale=scale
+            grouped, keys, values, attn_mask=meta.decode_window_mask(window), scale=scale
         )  # [decodes, kv_heads, group, head_dim]
         return out.view(seqs, heads, head_dim)
 
     def prefill(
-        self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float
+        self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int = 0,
     ) -> torch.Tensor:
         out = torch.empty_like(q)
         first = meta.num_decodes  # rows of q/k/v here start after the decodes
         for seg in meta.prefills:
             rows = slice(seg.q_start - first, seg.q_start - first + seg.q_len)
-            out[rows] = self._chunk(q[rows], k[rows], v[rows], k_cache, v_cache, seg, scale)
+            out[rows] = self._chunk(q[rows], k[rows], v[rows], k_cache, v_cache, seg, scale,
+                                    window)
         return out
 
     def _chunk(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         k_cache: torch.Tensor, v_cache: torch.Tensor, seg: PrefillSegment, scale: float,
+        window: int,
     ) -> torch.Tensor:
         mask = None
+        offset = seg.context_len - seg.q_len  # the chunk's first position
+        # the keys the chunk's first query sees, back to where its window starts: a block
+        # before it may be freed (read as block 0), and is never gathered
+        first_key = max(0, offset - window + 1) if window else 0
+        first_key -= first_key % k_cache.shape[1]  # whole blocks
         if seg.context_len == seg.q_len:  # no earlier context: attend within the chunk
             keys, values = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
         else:  # a later chunk: earlier tokens come from the cache
-            table = seg.block_table[None]
-            keys = gather_kv(k_cache, table, seg.context_len)
-            values = gather_kv(v_cache, table, seg.context_len)
-            offset = seg.context_len - seg.q_len
-            mask = torch.ones(seg.q_len, seg.context_len, dtype=torch.bool, device=q.device)
-            mask = mask.tril(diagonal=offset)
+            table = seg.block_table[None, first_key // k_cache.shape[1]:]
+            keys = gather_kv(k_cache, table, seg.context_len - first_key)
+            values = gather_kv(v_cache, table, seg.context_len - first_key)
+            mask = torch.ones(seg.q_len, seg.context_len - first_key, dtype=torch.bool,
+                              device=q.device).tril(diagonal=offset - first_key)
+        if window and seg.context_len > window:  # each row's window: key > position - window
+            if mask is None:
+                mask = torch.ones(seg.q_len, seg.context_len, dtype=torch.bool,
+                                  device=q.device).tril()
+            mask = mask.triu(diagonal=offset - first_key - window + 1)
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None], keys, values, attn_mask=mask,
             is_causal=mask is None, scale=scale, enable_gqa=True,

@@ -96,15 +96,18 @@ def prefill_tiles(group: int, head_dim_p: int, fp32: bool) -> Tiles:
                  num_stages=NUM_STAGES)
 
 
-def num_splits(context_len: int) -> int:
-    """How many pieces a decode's keys are split into: a function of its length only (the
-    kernel's `_num_splits`, here for tests and reports)."""
-    return max(1, min(MAX_SPLITS, -(-context_len // SPLIT_MIN_TOKENS)))
+def num_splits(context_len: int, window: int = 0) -> int:
+    """How many pieces a decode's keys are split into: a function of its length (or its
+    sliding window's) only (the kernel's `_num_splits`, here for tests and reports)."""
+    seen = min(context_len, window) if window else context_len
+    return max(1, min(MAX_SPLITS, -(-seen // SPLIT_MIN_TOKENS)))
 
 
 @triton.jit
-def _num_splits(ctx, MAX_S: tl.constexpr, MIN_TOKENS: tl.constexpr):
-    return tl.maximum(1, tl.minimum(MAX_S, (ctx + MIN_TOKENS - 1) // MIN_TOKENS))
+def _num_splits(ctx, window, MAX_S: tl.constexpr, MIN_TOKENS: tl.constexpr):
+    """`num_splits` of the keys a decode sees: its context, or its window's."""
+    seen = tl.where(window > 0, tl.minimum(ctx, window), ctx)
+    return tl.maximum(1, tl.minimum(MAX_S, (seen + MIN_TOKENS - 1) // MIN_TOKENS))
 
 
 @triton.jit
@@ -129,7 +132,7 @@ def _find_sequence(query_start_ptr, pid, num_seqs, BLOCK_Q: tl.constexpr):
 def _attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_ptr,
-    num_seqs, scale,
+    num_seqs, scale, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_table,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -153,7 +156,7 @@ def _attention_kernel(
     if q_block * BLOCK_Q >= q_len:  # a spare block of the grid's bound
         return
     if SPLIT_KV:
-        n_splits = _num_splits(ctx, MAX_S, MIN_TOKENS)
+        n_splits = _num_splits(ctx, window, MAX_S, MIN_TOKENS)
         if split >= n_splits:  # a short context: fewer splits than the grid has
             return
 
@@ -173,10 +176,15 @@ def _attention_kernel(
 
     # this program's keys: [k_begin, k_end)
     k_end = tl.minimum(ctx, ctx - q_len + (q_block + 1) * BLOCK_Q)  # the last row's limit
-    k_begin = 0
+    # a sliding window: keys from the first row's first one, k_lo, in tiles still aligned to
+    # multiples of BLOCK_N (so a row's numbers do not depend on the chunking); the keys before
+    # k_lo may have been freed, and are never loaded (a NaN there times p = 0 is still NaN)
+    first_pos = ctx - q_len + q_block * BLOCK_Q  # the program's first row's position
+    k_lo = tl.where(window > 0, tl.maximum(0, first_pos - window + 1), 0)
+    k_begin = k_lo // BLOCK_N * BLOCK_N
     if SPLIT_KV:
-        per_split = tl.cdiv(tl.cdiv(ctx, n_splits), BLOCK_N) * BLOCK_N  # whole tiles
-        k_begin = split * per_split
+        per_split = tl.cdiv(tl.cdiv(ctx - k_begin, n_splits), BLOCK_N) * BLOCK_N  # whole tiles
+        k_begin = k_begin + split * per_split
         k_end = tl.minimum(k_end, k_begin + per_split)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -185,7 +193,7 @@ def _attention_kernel(
     table = block_tables_ptr + seq.to(tl.int64) * stride_table
     for start in range(k_begin, k_end, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
-        key_ok = pos < k_end
+        key_ok = (pos >= k_lo) & (pos < k_end)
         block = tl.load(table + pos // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
         offset = pos % BLOCK_SIZE
         # k transposed: [HEAD_DIM_P, BLOCK_N]; v: [BLOCK_N, HEAD_DIM_P]
@@ -201,6 +209,7 @@ def _attention_kernel(
             s = tl.dot(q, k)
         s = s * scale  # [BLOCK_M, BLOCK_N]
         seen = key_ok[None, :] & (pos[None, :] <= q_pos[:, None]) & row_ok[:, None]
+        seen = seen & ((window == 0) | (pos[None, :] > q_pos[:, None] - window))
         s = tl.where(seen, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet
@@ -229,14 +238,14 @@ def _attention_kernel(
 
 @triton.jit
 def _reduce_kernel(
-    out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, seq_lens_ptr, stride_ot, stride_oh,
+    out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, seq_lens_ptr, window, stride_ot, stride_oh,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
     MAX_S: tl.constexpr, MIN_TOKENS: tl.constexpr,
 ):
     """A decode row's output from its splits' partial softmaxes, added in split order."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    n_splits = _num_splits(tl.load(seq_lens_ptr + seq), MAX_S, MIN_TOKENS)
+    n_splits = _num_splits(tl.load(seq_lens_ptr + seq), window, MAX_S, MIN_TOKENS)
     splits = tl.arange(0, MAX_S)
     used = splits < n_splits
     part = (seq * NUM_HEADS + head).to(tl.int64) * MAX_S + splits
@@ -258,7 +267,7 @@ def _reduce_kernel(
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, num_decodes: int, scale: float,
-    dot_fp32: bool = False, max_decode_context: int | None = None,
+    dot_fp32: bool = False, max_decode_context: int | None = None, window: int = 0,
 ) -> torch.Tensor:
     """Causal attention of every query row over the paged cache, which already holds them.
 
@@ -269,6 +278,8 @@ def paged_attention(
     sequence sees); query_start_loc: [seqs + 1] int32 (each sequence's first row).
     -> [tokens, heads, head_dim] in q's dtype. Two launches at most (decodes, prefill chunks)
     plus the decodes' merge; their grids depend on `tokens`, `seqs` and `num_decodes` only.
+    `window` > 0 (a sliding-window layer): a query at position p sees keys p - window + 1..p,
+    and no key before its window is read (its block may have been freed).
     `max_decode_context`, when the host knows it (an eager step), trims the decodes' split axis
     to the splits the longest needs: fewer programs that would only exit, the same numbers
     (each row's split count is still its own length's). None (a CUDA graph): MAX_SPLITS."""
@@ -295,12 +306,12 @@ def paged_attention(
         split_axis = num_splits(max_decode_context) if max_decode_context else MAX_SPLITS
         _attention_kernel[(num_decodes, kv_heads, split_axis)](
             q, k_cache, v_cache, out, part_acc, part_m, part_l,
-            block_tables, seq_lens, query_start_loc, num_decodes, scale, *strides,
+            block_tables, seq_lens, query_start_loc, num_decodes, scale, window, *strides,
             BLOCK_M=tiles.block_m, BLOCK_Q=1, BLOCK_N=tiles.block_n, SPLIT_KV=True, **common,
             num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         )
         _reduce_kernel[(num_decodes, heads)](
-            out, part_acc, part_m, part_l, seq_lens, out.stride(0), out.stride(1),
+            out, part_acc, part_m, part_l, seq_lens, window, out.stride(0), out.stride(1),
             NUM_HEADS=heads, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, MAX_S=MAX_SPLITS,
             MIN_TOKENS=SPLIT_MIN_TOKENS, num_warps=NUM_WARPS,
         )
@@ -312,7 +323,7 @@ def paged_attention(
         _attention_kernel[(prefill_tokens // tiles.block_q + num_prefills, kv_heads, 1)](
             q, k_cache, v_cache, out, out, out, out,
             block_tables[num_decodes:], seq_lens[num_decodes:],
-            query_start_loc[num_decodes:], num_prefills, scale, *strides,
+            query_start_loc[num_decodes:], num_prefills, scale, window, *strides,
             BLOCK_M=tiles.block_m, BLOCK_Q=tiles.block_q, BLOCK_N=tiles.block_n,
             SPLIT_KV=False, **common, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         )

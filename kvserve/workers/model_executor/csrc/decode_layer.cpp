@@ -31,12 +31,14 @@ at::Tensor project(const at::Tensor& x, const std::vector<at::Tensor>& w, Weight
 
 // h: [seqs, hidden] -> h after the layer; dims: {heads, kv_heads, head_dim, intermediate};
 // cos, sin: [seqs, head_dim]; caches: [blocks, block_size, kv_heads, head_dim];
-// slot_mapping: [seqs] long; block_tables: [seqs, max_blocks] int32; context_lens: [seqs] int32
+// slot_mapping: [seqs] long; block_tables: [seqs, max_blocks] int32; context_lens: [seqs] int32;
+// window: the layer's sliding window (0: none)
 at::Tensor decode_layer(const at::Tensor& h, const std::vector<at::Tensor>& w,
                         const std::vector<int64_t>& dims, const at::Tensor& cos,
                         const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache,
                         const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                        const at::Tensor& context_lens, double scale, double eps) {
+                        const at::Tensor& context_lens, double scale, double eps,
+                        int64_t window) {
   TORCH_CHECK(w.size() == kNumWeights && dims.size() == 4,
               "decode_layer: 10 weights and dims {heads, kv_heads, head_dim, intermediate}");
   const int64_t seqs = h.size(0), hidden = h.size(1);
@@ -50,7 +52,7 @@ at::Tensor decode_layer(const at::Tensor& h, const std::vector<at::Tensor>& w,
   v_cache.view({-1, kv_heads, D})
       .index_copy_(0, slot_mapping, qkv.narrow(1, heads + kv_heads, kv_heads));
   auto attn = paged_decode(qkv.narrow(1, 0, heads), k_cache, v_cache, block_tables, context_lens,
-                           scale);  // [seqs, heads, D]
+                           scale, window);  // [seqs, heads, D]
   auto out = h + project(attn.view({seqs, heads * D}), w, kO, hidden);
   // MLP: norm, gate and up, SiLU(gate) * up, down
   x = rms_norm(out, w[kPostNorm], eps);

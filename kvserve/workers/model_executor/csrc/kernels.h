@@ -9,7 +9,7 @@
 
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& block_tables, const at::Tensor& context_lens,
-                        double scale);
+                        double scale, int64_t window);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
 void rotary_(at::Tensor& x, int64_t heads, const at::Tensor& cos, const at::Tensor& sin);
@@ -28,6 +28,7 @@ at::Tensor decode_layer(const at::Tensor& h, const std::vector<at::Tensor>& w,
                         const std::vector<int64_t>& dims, const at::Tensor& cos,
                         const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache,
                         const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                        const at::Tensor& context_lens, double scale, double eps);
+                        const at::Tensor& context_lens, double scale, double eps,
+                        int64_t window);
 void apply_token_bitmask_(at::Tensor& logits, const at::Tensor& bitmask, const at::Tensor& indices,
                           int64_t vocab);

@@ -32,13 +32,14 @@ struct Shape {
   int64_t block_size, kv_heads, group, q_row_stride;
 };
 
-// One (sequence, KV head): out[g] = softmax(q[g] . K^T * scale) V for its `group` query heads.
-// q, out: [group, D]; table: the sequence's block ids; scores: scratch of group * length floats.
-// T: float, or uint16_t for bf16.
+// One (sequence, KV head): out[g] = softmax(q[g] . K^T * scale) V for its `group` query heads,
+// over the keys first..length-1 (first > 0: a sliding window; the blocks before it are never
+// read, they may have been freed). q, out: [group, D]; table: the sequence's block ids; scores:
+// scratch of group * (length - first) floats. T: float, or uint16_t for bf16.
 template <int D, typename T>
 void attend_one(T* __restrict__ out, const T* __restrict__ q_in, const T* k_cache,
-                const T* v_cache, const int32_t* table, int64_t length, int64_t kv_head,
-                const Shape& shape, float scale, std::vector<float>& scores) {
+                const T* v_cache, const int32_t* table, int64_t first, int64_t length,
+                int64_t kv_head, const Shape& shape, float scale, std::vector<float>& scores) {
   const int64_t G = shape.group, BS = shape.block_size;
   const int64_t token_stride = shape.kv_heads * D;  // cache: [blocks, block_size, kv_heads, D]
   const int64_t block_stride = BS * token_stride;
@@ -49,38 +50,41 @@ void attend_one(T* __restrict__ out, const T* __restrict__ q_in, const T* k_cach
       q[g][d] = widen(q_in[g * D + d]) * scale;
       acc[g][d] = 0.f;
     }
-  scores.resize(G * length);
-  for (int64_t start = 0; start < length; start += BS) {  // scores = q K^T
+  const int64_t n = length - first;  // keys seen; scores[g * n + (t - first)]
+  scores.resize(G * n);
+  for (int64_t t = first; t < length;) {  // scores = q K^T, a block at a time
+    const int64_t start = t - t % BS, stop = std::min(start + BS, length);
     const T* block = k_cache + table[start / BS] * block_stride + kv_head * D;
-    for (int64_t t = start; t < std::min(start + BS, length); ++t) {
+    for (; t < stop; ++t) {
       const T* __restrict__ k = block + (t - start) * token_stride;
       for (int64_t g = 0; g < G; ++g) {
         float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
         for (int d = 0; d < D; ++d) dot += q[g][d] * widen(k[d]);
-        scores[g * length + t] = dot;
+        scores[g * n + (t - first)] = dot;
       }
     }
   }
   for (int64_t g = 0; g < G; ++g) {  // softmax, one row per query head
-    float* row = scores.data() + g * length;
-    const float max = *std::max_element(row, row + length);
+    float* row = scores.data() + g * n;
+    const float max = *std::max_element(row, row + n);
     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < length; ++t) {
+    for (int64_t t = 0; t < n; ++t) {
       row[t] = std::exp(row[t] - max);
       sum += row[t];
     }
     const float inv = 1.f / sum;
 #pragma omp simd
-    for (int64_t t = 0; t < length; ++t) row[t] *= inv;
+    for (int64_t t = 0; t < n; ++t) row[t] *= inv;
   }
-  for (int64_t start = 0; start < length; start += BS) {  // out = p V
+  for (int64_t t = first; t < length;) {  // out = p V
+    const int64_t start = t - t % BS, stop = std::min(start + BS, length);
     const T* block = v_cache + table[start / BS] * block_stride + kv_head * D;
-    for (int64_t t = start; t < std::min(start + BS, length); ++t) {
+    for (; t < stop; ++t) {
       const T* __restrict__ v = block + (t - start) * token_stride;
       for (int64_t g = 0; g < G; ++g) {
-        const float p = scores[g * length + t];
+        const float p = scores[g * n + (t - first)];
 #pragma omp simd
         for (int d = 0; d < D; ++d) acc[g][d] += p * widen(v[d]);
       }
@@ -97,7 +101,7 @@ const T* data(const at::Tensor& t) { return static_cast<const T*>(t.data_ptr());
 template <int D, typename T>
 void paged_decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                        const at::Tensor& v_cache, const at::Tensor& block_tables,
-                       const at::Tensor& context_lens, float scale) {
+                       const at::Tensor& context_lens, float scale, int64_t window) {
   const int64_t seqs = q.size(0), heads = q.size(1), kv_heads = k_cache.size(2);
   const Shape shape{k_cache.size(1), kv_heads, heads / kv_heads, q.stride(0)};
   const int64_t max_blocks = block_tables.size(1);
@@ -112,9 +116,10 @@ void paged_decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / kv_heads, h = item % kv_heads;
       const int64_t first_head = h * shape.group;
+      const int64_t first_key = window > 0 ? std::max<int64_t>(0, lens[s] - window) : 0;
       attend_one<D, T>(out_ptr + (s * heads + first_head) * D,
-                    q_ptr + s * shape.q_row_stride + first_head * D, k_ptr, v_ptr,
-                    tables + s * max_blocks, lens[s], h, shape, scale, scores);
+                       q_ptr + s * shape.q_row_stride + first_head * D, k_ptr, v_ptr,
+                       tables + s * max_blocks, first_key, lens[s], h, shape, scale, scores);
     }
   });
 }
@@ -122,10 +127,11 @@ void paged_decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
 }  // namespace
 
 // q: [seqs, heads, D] (rows may be strided); caches: [blocks, block_size, kv_heads, D] contiguous;
-// block_tables: [seqs, max_blocks] int32; context_lens: [seqs] int32 -> out: [seqs, heads, D]
+// block_tables: [seqs, max_blocks] int32; context_lens: [seqs] int32; window: keys each query
+// sees back from itself (a sliding-window layer), 0 for all -> out: [seqs, heads, D]
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& block_tables, const at::Tensor& context_lens,
-                        double scale) {
+                        double scale, int64_t window) {
   TORCH_CHECK((q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16) &&
               k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
               "paged_decode: fp32 or bf16 q and caches, all of one dtype");
@@ -151,16 +157,20 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   switch (q.size(2)) {
     case 64:
       if (bf16) {
-        paged_decode_impl<64, uint16_t>(out, q, k_cache, v_cache, block_tables, context_lens, s);
+        paged_decode_impl<64, uint16_t>(out, q, k_cache, v_cache, block_tables, context_lens, s,
+                                          window);
       } else {
-        paged_decode_impl<64, float>(out, q, k_cache, v_cache, block_tables, context_lens, s);
+        paged_decode_impl<64, float>(out, q, k_cache, v_cache, block_tables, context_lens, s,
+                                          window);
       }
       break;
     case 128:
       if (bf16) {
-        paged_decode_impl<128, uint16_t>(out, q, k_cache, v_cache, block_tables, context_lens, s);
+        paged_decode_impl<128, uint16_t>(out, q, k_cache, v_cache, block_tables, context_lens, s,
+                                          window);
       } else {
-        paged_decode_impl<128, float>(out, q, k_cache, v_cache, block_tables, context_lens, s);
+        paged_decode_impl<128, float>(out, q, k_cache, v_cache, block_tables, context_lens, s,
+                                          window);
       }
       break;
     default: TORCH_CHECK(false, "paged_decode: head_dim 64 or 128");
