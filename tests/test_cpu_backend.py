@@ -102,6 +102,18 @@ def test_a_sliding_window_sees_its_last_keys_and_reads_no_block_before(cpu_backe
     assert torch.equal(cpu_backend.decode(q, k_cache, v_cache, meta, 0.125, window), got)
 
 
+@pytest.mark.parametrize("window", [0, 37])
+def test_a_soft_cap_equals_the_torch_paths_eager_steps(cpu_backend, window):
+    """Gemma 2's soft-capped scores in the kernel (each score capped as it is computed)
+    against the torch path's eager attention. Negative control: uncapped differs."""
+    q, k_cache, v_cache, meta = _decode_batch([17, 1, 300, 33], 8, 4, 128)
+    got = cpu_backend.decode(q * 4, k_cache, v_cache, meta, 0.1, window, 1.5)
+    expected = TorchAttention().decode(q * 4, k_cache, v_cache, meta, 0.1, window, 1.5)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    uncapped = cpu_backend.decode(q * 4, k_cache, v_cache, meta, 0.1, window)
+    assert not torch.allclose(got[[0, 2, 3]], uncapped[[0, 2, 3]], rtol=1e-3, atol=1e-3)
+
+
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (32, 8, 128)])
 @pytest.mark.parametrize("lengths", [[1], [17, 1, 300, 33], [250] * 8])
 def test_bf16_kernel_is_the_fp32_attention_rounded_once(cpu_backend, heads, kv_heads, head_dim,
@@ -285,13 +297,14 @@ def test_kernels_refuse_what_they_do_not_cover(cpu_kernels):
     q, k_cache, v_cache, meta = _decode_batch([5, 9], 9, 3, 64)
     with pytest.raises(RuntimeError, match="one block table"):
         cpu_kernels.paged_decode(q, k_cache, v_cache, meta.decode_block_tables[:1],
-                                 meta.decode_context_lens, 0.125, 0)
+                                 meta.decode_context_lens, 0.125, 0, 0.0)
     with pytest.raises(RuntimeError, match="one dtype"):
         cpu_kernels.paged_decode(q.bfloat16(), k_cache, v_cache, meta.decode_block_tables,
-                                 meta.decode_context_lens, 0.125, 0)
+                                 meta.decode_context_lens, 0.125, 0, 0.0)
     too_long = meta.decode_context_lens + 16 * meta.decode_block_tables.shape[1]
     with pytest.raises(RuntimeError, match="attends to"):
-        cpu_kernels.paged_decode(q, k_cache, v_cache, meta.decode_block_tables, too_long, 0.125, 0)
+        cpu_kernels.paged_decode(q, k_cache, v_cache, meta.decode_block_tables, too_long, 0.125, 0,
+                                 0.0)
 
 
 @pytest.mark.parametrize(("vocab", "pad"), [(49152, 0), (1000, 24), (33, 0)])

@@ -84,6 +84,21 @@ def test_decode_graphs_give_the_eager_paths_tokens(checkpoint, triton_tokens):
     assert replays[4] and replays[1]  # three decodes padded to four, and one alone
 
 
+def test_decode_graphs_stack_a_rope_per_layer_type():
+    """Gemma 3's cos/sin, a block per layer type, through the graphs' static buffers (two
+    blocks of rows): the eager path's tokens, with sliding windows and q/k norms on the way."""
+    from tests.helpers import noisy_checkpoint
+    from tests.test_model_support import GEMMA3
+
+    gemma3 = noisy_checkpoint("gemma3_text", **GEMMA3)
+    eager = _greedy(_engine(gemma3))
+    engine = _engine(gemma3)
+    engine.runner.enable_decode_graphs(graph_batch_sizes(8), engine.max_model_len, capture=False)
+    assert engine.runner.graphs.cos.shape[0] == 2
+    assert _greedy(engine) == eager
+    assert engine.runner.graphs.replays[4] and engine.runner.graphs.replays[1]
+
+
 def _decode_four_then_one(engine: LLMEngine) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Four requests decode together (their slots fill the graph's static rows), then three
     are aborted and the last decodes alone, padded to four. -> the pool (k of every layer,

@@ -99,6 +99,24 @@ def test_a_sliding_window_equals_the_torch_backends(provider, window):
             assert not torch.allclose(got, step.run(backend), atol=1e-4), case
 
 
+@pytest.mark.parametrize("window", [0, 7])
+def test_a_soft_cap_equals_the_torch_backends_and_torch_varlen_refuses_it(window):
+    """Gemma 2's soft-capped scores through flash-attn's `softcap` (the reference kernel's cap)
+    against the torch backend's eager steps; torch's varlen_attn has no softcap argument, so
+    the backend over it refuses a capped layer rather than ignore the cap. Negative control:
+    without the cap the output differs."""
+    backend = _flash(FLASH_ATTN)
+    for case in CPU_CASES:
+        step = _step(case, heads=9, kv_heads=3, seed=5)
+        got = step.run(backend, window=window, softcap=0.5)
+        torch.testing.assert_close(got, step.run(TorchAttention(), window=window, softcap=0.5),
+                                   **TOLERANCE[torch.float32],
+                                   msg=lambda m, case=case: f"{case}: {m}")
+        assert not torch.allclose(got, step.run(backend, window=window), atol=1e-4), case
+    with pytest.raises(ValueError, match="soft-capping"):
+        _step("mixed").run(_flash(TORCH_VARLEN), softcap=0.5)
+
+
 def test_the_step_writes_the_cache_like_the_torch_backend():
     step = _step()
     caches = {}
@@ -116,9 +134,9 @@ class _Recording(FlashAttention):
         super().__init__(provider)
         self.steps: list[tuple[int, list[tuple[int, int]]]] = []
 
-    def __call__(self, q, k, v, k_cache, v_cache, meta, scale, window=0):
+    def __call__(self, q, k, v, k_cache, v_cache, meta, scale, window=0, softcap=0.0):
         self.steps.append((meta.num_decodes, [(s.q_len, s.context_len) for s in meta.prefills]))
-        return super().__call__(q, k, v, k_cache, v_cache, meta, scale, window)
+        return super().__call__(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
 
 
 # a tiny random model attends almost uniformly at its default init (0.02), so attention bugs
@@ -346,7 +364,7 @@ def test_wrong_metadata_is_caught(provider, bug):
 
 
 class _NonCausalPrefill(FlashAttnProvider):
-    def prefill(self, q, k_cache, v_cache, meta, scale, window=0):
+    def prefill(self, q, k_cache, v_cache, meta, scale, window=0, softcap=0.0):
         return self._varlen(q, k_cache, v_cache, cu_seqlens_q=meta.cu_seqlens_q,
                             cu_seqlens_k=meta.cu_seqlens_k, max_seqlen_q=meta.max_prefill_q,
                             max_seqlen_k=meta.max_prefill_k, softmax_scale=scale, causal=False,
@@ -356,7 +374,7 @@ class _NonCausalPrefill(FlashAttnProvider):
 class _QueryLengthsAsKeys(TorchVarlenProvider):
     """Forgets that a chunk over a cached prefix has more keys than queries."""
 
-    def prefill(self, q, k_cache, v_cache, meta, scale, window=0):
+    def prefill(self, q, k_cache, v_cache, meta, scale, window=0, softcap=0.0):
         return self._varlen(q, k_cache, v_cache, meta.cu_seqlens_q, meta.cu_seqlens_q,
                             meta.max_prefill_q, meta.max_prefill_q, scale=scale,
                             window_size=(-1, 0), enable_gqa=True,
@@ -365,8 +383,8 @@ class _QueryLengthsAsKeys(TorchVarlenProvider):
 
 
 class _DefaultScale(FlashAttnProvider):
-    def decode(self, q, k_cache, v_cache, meta, scale, window=0):
-        return super().decode(q, k_cache, v_cache, meta, None, window)
+    def decode(self, q, k_cache, v_cache, meta, scale, window=0, softcap=0.0):
+        return super().decode(q, k_cache, v_cache, meta, None, window, softcap)
 
 
 def _reference_like(cls, base: str):

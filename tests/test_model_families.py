@@ -26,6 +26,7 @@ from kvserve.workers.model_executor.families import FAMILIES, family_of
 from kvserve.workers.model_executor.loader import LoadedCheckpoint
 from kvserve.workers.model_executor.tiny import tiny_config
 from tests.helpers import assert_engine_idle, noisy_checkpoint
+from tests.test_model_support import GEMMA2, GEMMA3
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -41,6 +42,12 @@ NEW_FAMILIES = {
     # a 32-token window, which the 320-token context is 10x; head dim 64, so that decode steps
     # run the CPU kernels' paged attention (64 and 128 only) with its window
     "mistral": {"sliding_window": WINDOW, "head_dim": 64},
+    # local (32-token window) and global layers, soft-capped scores and logits (tests/
+    # test_model_support.py: GEMMA2); head dim 64, for the CPU kernels' capped paged decode
+    "gemma2": {**GEMMA2, "head_dim": 64},
+    # local and global layers with a RoPE each (base 10,000; 1,000,000 scaled by 8) and q/k
+    # norms (tests/test_model_support.py: GEMMA3)
+    "gemma3_text": {**GEMMA3, "head_dim": 64},
 }
 NEW_TOKENS = 16
 LONG = 320  # tokens: 20 blocks of 16, prefilled in 20 chunks
@@ -126,7 +133,8 @@ def test_bf16_is_close_to_transformers_bf16_by_vllms_rule(case: Case) -> None:
 def _without_its_feature(case: Case) -> LLMEngine:
     """An engine on the case's checkpoint with the family's own feature removed: Qwen3's q/k
     norms; Phi-3's long-RoPE scaling (plain RoPE instead); Mistral's window (full attention,
-    every block kept)."""
+    every block kept); Gemma 2's attention soft-cap; Gemma 3's RoPE per layer type (the local
+    one on every layer)."""
     if case.name == "phi3":
         assert case.ckpt.config.rope_parameters["rope_type"] == "longrope"
         return _engine(case.ckpt, rope_parameters={"rope_type": "default"})
@@ -144,14 +152,26 @@ def _without_its_feature(case: Case) -> LLMEngine:
             a.window = 0
         engine.block_manager.sliding_window = None
         return engine
+    if case.name == "gemma2":
+        assert [a.softcap for a in attns] == [GEMMA2["attn_logit_softcapping"]] * 2
+        assert [a.window for a in attns] == [WINDOW, 0]  # local, then global
+        for a in attns:
+            a.softcap = 0.0
+        return engine
+    if case.name == "gemma3_text":
+        assert [a.rope_part for a in attns] == [1, 0]  # local, global: rope_kinds is sorted
+        for a in attns:
+            a.rope_part = 1  # the local layer's RoPE on both
+        return engine
     raise AssertionError(f"no switch for {case.name}")
 
 
 def test_without_the_familys_feature_the_output_is_not_transformers(case: Case) -> None:
     """Negative control: the same checkpoint with the family's feature switched off (Qwen3:
-    the q/k norms; Phi-3: long RoPE; Mistral: the window) departs from transformers on every
-    prompt (Mistral's: on every prompt longer than its window; within it, full attention is
-    the same attention)."""
+    the q/k norms; Phi-3: long RoPE; Mistral: the window; Gemma 2: the attention soft-cap;
+    Gemma 3: its global layer's own RoPE) departs from transformers on every prompt
+    (Mistral's: on every prompt longer than its window; within it, full attention is the same
+    attention)."""
     ours = engine_greedy(_without_its_feature(case), case.prompts, NEW_TOKENS, concurrent=True)
     affected = [name for name, ids in case.prompts.items()
                 if case.name != "mistral" or len(ids) + NEW_TOKENS > WINDOW]
@@ -177,24 +197,24 @@ def test_a_save_pretrained_directory_serves_through_kvserve_generate(case: Case,
 
 
 def test_an_unimplemented_architecture_is_refused_naming_model_type(tmp_path, capsys) -> None:
-    """A Gemma 2 checkpoint (Llama's tensor names and more) is refused before anything runs:
-    the error names the field, its model_type and the supported list; the CLI prints it in one
-    line and exits 2."""
+    """An OLMo 2 checkpoint (Llama's tensor names, and q/k norms over whole projections, which
+    Qwen3's per-head norms would misread) is refused before anything runs: the error names the
+    field, its model_type and the supported list; the CLI prints it in one line and exits 2."""
     from transformers import AutoModelForCausalLM
 
-    config = tiny_config("gemma2", head_dim=16, sliding_window=32)
+    config = tiny_config("olmo2", head_dim=16)
     with pytest.raises(EngineConfigError) as refused:
         family_of(config)
     assert refused.value.field == "model"
-    assert "'gemma2'" in str(refused.value)
+    assert "'olmo2'" in str(refused.value)
     assert f"supported: {', '.join(FAMILIES)}" in str(refused.value)
-    model_dir = tmp_path / "gemma2"
+    model_dir = tmp_path / "olmo2"
     AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
     (model_dir / "tokenizer_config.json").write_text("{}")  # never read: refused first
     capsys.readouterr()
     assert main(["generate", "--model", str(model_dir), "--device", "cpu", "Hi"]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "'gemma2'" in err and "qwen3" in err
+    assert len(err.splitlines()) == 1 and "'olmo2'" in err and "gemma2" in err
 
 
 def test_kvserve_models_lists_the_families(capsys) -> None:

@@ -22,6 +22,11 @@ from tests.helpers import assert_engine_idle, noisy_checkpoint, output_ids
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
+GEMMA2 = {"sliding_window": 32, "query_pre_attn_scalar": 16, "attn_logit_softcapping": 2.0,
+          "final_logit_softcapping": 3.0, "tie_word_embeddings": False}
+GEMMA3 = {"sliding_window": 32, "query_pre_attn_scalar": 16, "tie_word_embeddings": False,
+          "layer_types": ["sliding_attention", "full_attention"],
+          "rope_scaling": {"rope_type": "linear", "factor": 8.0}}
 MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama-tied": ("llama", {}),
     "llama-untied": ("llama", {"tie_word_embeddings": False}),
@@ -29,6 +34,14 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "mistral": ("mistral", {}),
     "qwen3": ("qwen3", {}),  # q and k RMS-normalised per head before RoPE
     "phi3": ("phi3", {}),  # q/k/v and gate/up fused in the checkpoint
+    # local (32-token window) and global layers, sandwich norms of (1 + w), GeGLU, scaled
+    # embeddings; caps low enough to bend these small random scores and logits. Untied: a
+    # tiny random Gemma with tied embeddings echoes its last token (its embeddings, scaled by
+    # sqrt(hidden), outweigh two random layers)
+    "gemma2": ("gemma2", GEMMA2),
+    # Gemma 2's layer without caps, with q/k norms and a RoPE per layer type: the local
+    # layer's base 10,000, the global one's 1,000,000 with linear scaling
+    "gemma3": ("gemma3_text", GEMMA3),
 }
 PROMPT_LENS = (5, 37, 70)  # 70 spans five 16-token blocks; 37 and 70 need several 32-token chunks
 NEW_TOKENS = 12
@@ -178,3 +191,24 @@ def test_prompt_logits_match_hf_exactly_enough(case: Case) -> None:
     assert logits.shape == ref.logprobs[0].shape
     torch.testing.assert_close(torch.log_softmax(logits, -1), ref.logprobs[0], atol=ATOL, rtol=0)
     assert_engine_idle(engine)
+
+
+def test_without_gemma2s_final_cap_the_logprobs_are_not_transformers() -> None:
+    """Negative control of the final-logit soft-cap, which greedy tokens cannot show (tanh keeps
+    the order): the same Gemma 2 checkpoint with the cap taken out of its config gives first
+    logprobs away from transformers', with it within ATOL."""
+    import copy
+    import dataclasses
+
+    ckpt = noisy_checkpoint("gemma2", **GEMMA2)
+    prompt = list(range(100, 140))
+    ref = _hf_greedy(_hf_model(ckpt), prompt, 1)
+    uncapped = copy.deepcopy(ckpt.config)
+    uncapped.final_logit_softcapping = None
+    for config, close in ((ckpt.config, True), (uncapped, False)):
+        engine = _engine(dataclasses.replace(ckpt, config=config))
+        (stream,) = engine.generate_all([dict(prompt_token_ids=prompt,
+                                              params=_params(1))]).values()
+        step = stream[0].logprobs[0]
+        gap = (torch.tensor([lp for _, lp in step.top]) - ref.logprobs[0].topk(TOP_N).values)
+        assert (gap.abs().max() < ATOL) == close, gap

@@ -220,6 +220,24 @@ def test_a_sliding_window_equals_the_reference_and_reads_no_block_before_it(wind
     assert torch.equal(step.triton(window=window), out)
 
 
+@pytest.mark.parametrize("window", [0, 37])
+def test_a_soft_cap_equals_the_reference(window):
+    """Gemma 2's soft-capped scores (cap * tanh(score / cap)) in a mixed step, with and without
+    a window: the torch backend's eager steps. Negative control: uncapped differs."""
+    lens = [17, 600, 40, 100]
+    tables = _tables(lens, 16, 60)
+    step = Step(list(zip(tables[:2], lens[:2], strict=True)),
+                [(tables[2], 40, 40), (tables[3], 30, 100)], num_blocks=60, seed=4)
+    step.q.mul_(4)  # scores of a few units, which a cap of 1.5 bends
+    out = triton_kernels.paged_attention(
+        step.q, step.k_cache, step.v_cache, step.meta.block_tables, step.meta.seq_lens,
+        step.meta.query_start_loc, step.meta.num_decodes, SCALE, window=window, softcap=1.5)
+    f32 = [t.float() for t in (step.q, step.k, step.v, step.k_cache, step.v_cache)]
+    ref = TorchAttention().attend(*f32, step.meta, SCALE, window, 1.5)
+    torch.testing.assert_close(out, ref, rtol=2e-5, atol=2e-5)
+    assert not torch.allclose(step.triton(window=window), out, rtol=1e-3, atol=1e-3)
+
+
 def test_a_padding_row_reads_nothing_and_gives_zeros():
     """A CUDA-graph batch's padding row: context 0 (and block 0 in its table). Its output is
     zeros, finite, and the real rows equal what they are without it."""

@@ -78,15 +78,16 @@ class DecodeGraphs:
 
     def __init__(
         self, forward: Forward, sizes: list[int], max_blocks: int, head_dim: int,
-        dtype: torch.dtype, device: torch.device, capture: bool,
+        dtype: torch.dtype, device: torch.device, capture: bool, rope_parts: int = 1,
     ) -> None:
         self.forward = forward
         self.sizes = sorted(sizes)
         self.capture = capture
         n = self.sizes[-1]
         self.ids = torch.zeros(n, dtype=torch.long, device=device)
-        self.cos = torch.zeros(n, head_dim, dtype=dtype, device=device)
-        self.sin = torch.zeros(n, head_dim, dtype=dtype, device=device)
+        # [rope_parts, rows, head_dim]: a block per layer type's RoPE (Gemma 3), else one
+        self.cos = torch.zeros(rope_parts, n, head_dim, dtype=dtype, device=device)
+        self.sin = torch.zeros(rope_parts, n, head_dim, dtype=dtype, device=device)
         self.slots = torch.full((n,), PAD_SLOT, dtype=torch.long, device=device)
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=device)
@@ -125,8 +126,8 @@ class DecodeGraphs:
         rows = meta.num_decodes
         entry = self.graphs[padded_size(rows, self.sizes)]
         self.ids[:rows].copy_(input_ids)
-        self.cos[:rows].copy_(cos)
-        self.sin[:rows].copy_(sin)
+        self.cos[:, :rows].copy_(cos.view(self.cos.shape[0], rows, -1))
+        self.sin[:, :rows].copy_(sin.view(self.sin.shape[0], rows, -1))
         self.slots[:rows].copy_(meta.slot_mapping)
         self.seq_lens[:rows].copy_(meta.seq_lens)
         self.block_tables[:rows, : meta.block_tables.shape[1]].copy_(meta.block_tables)
@@ -144,8 +145,10 @@ class DecodeGraphs:
         self.seq_lens[rows:end].fill_(0)
 
     def _run_eager(self, entry: _Graph) -> torch.Tensor:
-        n = entry.size
-        return self.forward(self.ids[:n], self.cos[:n], self.sin[:n], entry.meta)
+        n, parts, head_dim = entry.size, self.cos.shape[0], self.cos.shape[2]
+        # one part: a view; several: a copy into one [parts * n, head_dim] block, in the graph
+        return self.forward(self.ids[:n], self.cos[:, :n].reshape(parts * n, head_dim),
+                            self.sin[:, :n].reshape(parts * n, head_dim), entry.meta)
 
     def _meta(self, n: int) -> AttentionMetadata:
         """Metadata of a decode step of n rows over the static buffers. The host-side maxima

@@ -27,6 +27,11 @@ class Family:
     examples: str
     qkv_bias: bool = False  # q, k and v projections carry biases (o_proj does not)
     qk_norm: bool = False  # per-head RMSNorm on q and k, before RoPE
+    # Gemma: RMSNorm weights applied as (1 + w); norms after attention and after the MLP as
+    # well as before each (the "sandwich"); embeddings times sqrt(hidden); the MLP's gate
+    # through tanh-approximated GELU (GeGLU); attention scaled by query_pre_attn_scalar**-0.5;
+    # tanh soft-capping of attention scores and final logits where the config sets them
+    gemma: bool = False
     # what runs for it (docs/models.md): tensor parallelism, GGUF block codes on CPUs,
     # structured outputs, speculative decoding
     tensor_parallel: bool = True
@@ -54,6 +59,17 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("qwen3", "Qwen3", "Qwen3 dense (0.6B-32B)", qk_norm=True, block_codes=False,
            notes="CPU decode steps run the layer op by op (the one-call C++ decode layer has "
                  "no q/k norms); GGUF block codes are untested for it"),
+    Family("gemma2", "Gemma 2", "Gemma 2 2B/9B/27B", gemma=True, block_codes=False,
+           notes="local (sliding) and global layers alternate: attention is exact on each, "
+                 "and every block is kept (the global layers read them all); attention and "
+                 "final-logit soft-capping on every backend but flash_attn with torch's "
+                 "varlen_attn (no softcap there), which is refused; GGUF block codes untested"),
+    Family("gemma3_text", "Gemma 3", "Gemma 3 1B (the multimodal 4B-27B are refused)",
+           gemma=True,
+           qk_norm=True, block_codes=False,
+           notes="Gemma 2's layer, without soft-caps, with q/k norms and a RoPE per layer type "
+                 "(local layers' base 10,000, global ones' 1,000,000 and their scaling); five "
+                 "local layers to a global one, every block kept; GGUF block codes untested"),
 )}
 
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvserve.workers.config import cache_root
 from kvserve.workers.errors import ModelNotFoundError
+from kvserve.workers.model_executor.families import family_of
 
 if TYPE_CHECKING:
     import torch
@@ -143,6 +144,7 @@ def load_checkpoint(model: str | None) -> LoadedCheckpoint:
 
     path = resolve_model_dir(model)
     config = read_config(path)
+    family_of(config)  # an architecture kvserve does not implement: refused before the reading
     tokenizer = read_tokenizer(path)
     tensors: dict[str, torch.Tensor] = {}
     for file in sorted(path.glob("*.safetensors")):

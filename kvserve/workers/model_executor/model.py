@@ -30,7 +30,7 @@ from kvserve.workers.model_executor.cpu_kernels import (
     linear_available_for,
 )
 from kvserve.workers.model_executor.families import family_of, layer_windows
-from kvserve.workers.model_executor.rope import rotate
+from kvserve.workers.model_executor.rope import rope_part, rotate
 from kvserve.workers.parallel import shard
 
 if TYPE_CHECKING:  # (transformers is imported to load a checkpoint, not with the model)
@@ -153,17 +153,23 @@ class Attention(nn.Module):
     triton_ops: ModuleType | None = None  # triton_ops, with the triton attention backend
 
     def __init__(self, config: PretrainedConfig, tp: TPGroup | None = None,
-                 window: int = 0) -> None:
+                 window: int = 0, rope_part: int | None = None) -> None:
         super().__init__()
         self.tp = tp
         self.window = window  # keys a query sees back from itself; 0: the whole context
+        # Gemma 3: its layer type's block of the stacked cos/sin (rope.RotaryEmbedding.lookup)
+        self.rope_part = rope_part
         size = tp.size if tp else 1
         # this rank's heads (all of them without tp)
         self.num_heads = config.num_attention_heads // size
         self.num_kv_heads = config.num_key_value_heads // size
         self.head_dim = shard.head_dim(config)
-        self.scale = self.head_dim**-0.5
         family = family_of(config)
+        # Gemma scales by its query_pre_attn_scalar, not the head dim
+        scalar = getattr(config, "query_pre_attn_scalar", None) if family.gemma else None
+        self.scale = (scalar or self.head_dim) ** -0.5
+        # Gemma 2: scores soft-capped, cap * tanh(score / cap), before the mask; 0: none
+        self.softcap = float(getattr(config, "attn_logit_softcapping", None) or 0.0)
         bias = getattr(config, "attention_bias", False) or family.qkv_bias
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.split = (q_size, kv_size, kv_size)
@@ -186,6 +192,9 @@ class Attention(nn.Module):
         backend,
     ) -> torch.Tensor:
         tokens = x.shape[0]
+        if self.rope_part is not None:  # cos/sin: [layer types * tokens, d] -> [tokens, d]
+            rows = slice(self.rope_part * tokens, (self.rope_part + 1) * tokens)
+            cos, sin = cos[rows], sin[rows]
         qkv = self.qkv_proj(x).view(tokens, -1, self.head_dim)  # [tokens, heads + 2 kv_heads, d]
         rotated = self.num_heads + self.num_kv_heads
         if self.q_norm is not None:
@@ -194,7 +203,8 @@ class Attention(nn.Module):
             self.triton_ops.rotary_write_kv_(qkv, self.num_heads, self.num_kv_heads, cos, sin,
                                              kv[0], kv[1], meta.slot_mapping)
             q, k, v = qkv.split((self.num_heads, self.num_kv_heads, self.num_kv_heads), dim=1)
-            out = backend.attend(q, k, v, kv[0], kv[1], meta, self.scale, self.window)
+            out = backend.attend(q, k, v, kv[0], kv[1], meta, self.scale, self.window,
+                                 self.softcap)
             return self._project_out(out.reshape(tokens, -1))
         if self.kernels is not None:  # q and k rotated in place, one pass
             self.kernels.rotary_(qkv, rotated, cos, sin)
@@ -204,7 +214,7 @@ class Attention(nn.Module):
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         v = qkv[:, rotated:]
         # [tokens, heads, head_dim]
-        out = backend(q, k, v, kv[0], kv[1], meta, self.scale, self.window)
+        out = backend(q, k, v, kv[0], kv[1], meta, self.scale, self.window, self.softcap)
         return self._project_out(out.reshape(tokens, -1))
 
     def _norm_qk_(self, qkv: torch.Tensor) -> None:
@@ -230,6 +240,8 @@ class MLP(nn.Module):
     def __init__(self, config: PretrainedConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.tp = tp
+        # the gate's activation: SiLU (SwiGLU), or tanh-approximated GELU (Gemma's GeGLU)
+        self.gelu = family_of(config).gemma
         self.intermediate = config.intermediate_size // (tp.size if tp else 1)  # this rank's
         bias = getattr(config, "mlp_bias", False)
         self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate, bias=bias)
@@ -241,21 +253,32 @@ class MLP(nn.Module):
             out = self.down_proj(self.silu_and_mul(gate_up))
         else:
             gate, up = gate_up.split(self.intermediate, dim=-1)
-            out = self.down_proj(F.silu(gate) * up)
+            act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+            out = self.down_proj(act * up)
         return self.tp.all_reduce(out) if self.tp else out  # down_proj's partial sums
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: PretrainedConfig, tp: TPGroup | None = None,
-                 window: int = 0) -> None:
+                 window: int = 0, rope_part: int | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, tp, window)
+        self.self_attn = Attention(config, tp, window, rope_part)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config, tp)
+        # Gemma's sandwich: its post_attention_layernorm normalises the attention's output, and
+        # two more norms come before and after the MLP
+        self.sandwich = family_of(config).gemma
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, h, cos, sin, kv, meta, backend) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv, meta, backend)
+        attn = self.self_attn(self.input_layernorm(h), cos, sin, kv, meta, backend)
+        if self.sandwich:
+            h = h + self.post_attention_layernorm(attn)
+            return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+        h = h + attn
         return h + self.mlp(self.post_attention_layernorm(h))
 
     def decode_weights(self) -> list[torch.Tensor]:
@@ -287,8 +310,8 @@ class CausalLM(nn.Module):
         # call imports torch._dynamo (0.65 CPU-s of every engine process's start)
         self.embed_tokens = nn.Embedding(
             self.vocab, config.hidden_size, _weight=torch.empty(self.vocab, config.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(config, tp, window)
-                                    for window in layer_windows(config))
+        self.layers = nn.ModuleList(DecoderLayer(config, tp, window, rope_part(config, i))
+                                    for i, window in enumerate(layer_windows(config)))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = Linear(config.hidden_size, self.vocab, bias=False)
         if config.tie_word_embeddings:
@@ -308,7 +331,7 @@ class CausalLM(nn.Module):
         h = self.embed(input_ids)
         if self.decode_kernels is not None and backend.name == "cpu" and not meta.prefills:
             return self._decode_in_kernels(h, cos, sin, kv_cache, meta)
-        if self.triton_ops is not None:
+        if self.triton_ops is not None and not self.family.gemma:  # (Gemma: its sandwich)
             return self._forward_fused(h, cos, sin, kv_cache, meta, backend)
         for layer, kv in zip(self.layers, kv_cache, strict=True):
             h = layer(h, cos, sin, kv, meta, backend)
@@ -350,19 +373,27 @@ class CausalLM(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids: [tokens] -> [tokens, hidden]. Under tp each rank looks up the ids in its
         vocabulary slice, zeros elsewhere, and the sum over the ranks is every row exactly (one
-        rank's row plus zeros)."""
+        rank's row plus zeros). Gemma's rows are scaled by sqrt(hidden), rounded to the model's
+        dtype as transformers rounds it."""
         if self.tp is None:
-            return self.embed_tokens(input_ids)
-        local = input_ids - self.vocab_start
-        outside = (local < 0) | (local >= self.vocab)
-        h = self.embed_tokens(local.masked_fill(outside, 0))
-        return self.tp.all_reduce(h.masked_fill_(outside[:, None], 0.0))
+            h = self.embed_tokens(input_ids)
+        else:
+            local = input_ids - self.vocab_start
+            outside = (local < 0) | (local >= self.vocab)
+            h = self.embed_tokens(local.masked_fill(outside, 0))
+            h = self.tp.all_reduce(h.masked_fill_(outside[:, None], 0.0))
+        if self.family.gemma:
+            h = h * torch.tensor(self.config.hidden_size**0.5).to(h.dtype)
+        return h
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor | None:
         """h: [rows, hidden] -> fp32 logits [rows, vocab]. Under tp each rank computes its
         vocabulary slice's, and rank 0 gets them all (in rank order: the vocabulary's); the
         other ranks get None."""
-        logits = self.lm_head(self.norm(h)).float()
+        logits = self.lm_head(self.norm(h))
+        if cap := getattr(self.config, "final_logit_softcapping", None):  # Gemma 2
+            logits = torch.tanh(logits / cap) * cap
+        logits = logits.float()
         if self.tp is None:
             return logits
         return self.tp.gather_last_dim(logits)
@@ -387,16 +418,17 @@ class CausalLM(nn.Module):
             for module in self.modules():
                 if isinstance(module, (RMSNorm, Attention)):
                     module.kernels = kernels
-                elif isinstance(module, MLP):
+                elif isinstance(module, MLP) and not module.gelu:
                     module.silu_and_mul = kernels.silu_and_mul
         if linear_available_for(kernels, dtype):
             for module in self.modules():
                 if isinstance(module, Linear):
                     module.pack_for_kernels(kernels, weight_codes)
         attn = self.layers[0].self_attn
-        # a layer per C++ call has no place for tp's all-reduces or Qwen3's q/k norms: there,
-        # decode steps run the same kernels op by op
-        if (self.tp is None and not self.family.qk_norm and linear_available_for(kernels, dtype)
+        # a layer per C++ call has no place for tp's all-reduces, Qwen3's q/k norms or Gemma's
+        # sandwich: there, decode steps run the same kernels op by op
+        if (self.tp is None and not self.family.qk_norm and not self.family.gemma
+                and linear_available_for(kernels, dtype)
                 and elementwise_available_for(kernels, dtype)
                 and CPUAttention.covers_shape(dtype, attn.num_heads, attn.num_kv_heads,
                                               attn.head_dim)):
@@ -413,7 +445,7 @@ class CausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Attention):
                 module.triton_ops = triton_ops
-            elif isinstance(module, MLP):
+            elif isinstance(module, MLP) and not module.gelu:
                 module.silu_and_mul = triton_ops.silu_and_mul
 
     def _unfused(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -439,6 +471,9 @@ class CausalLM(nn.Module):
         which costs more than reading it (~1.3 s for SmolLM2's 540 MB on a VM whose first
         touch of a page costs ~15 us); the fused and packed weights are new tensors anyway."""
         own = dict(self.named_parameters())
+        if self.family.gemma:  # its norms apply (1 + w): the weights here hold 1 + w, in fp32
+            tensors = {name: t.float() + 1.0 if name.endswith("norm.weight") else t
+                       for name, t in tensors.items()}
         if self.tp is not None:  # this rank's slice of each tensor, before q/k/v are fused
             tensors = shard.slice_checkpoint(self._unfused(tensors), self.tp.rank,
                                              self.tp.size)

@@ -110,7 +110,8 @@ class ModelRunner:
         spec = self.kv_cache[0][0]  # [blocks, block_size, kv_heads, head_dim]
         graphs = DecodeGraphs(
             self._decode_forward, sizes, max_blocks=-(-max_model_len // self.block_size),
-            head_dim=spec.shape[-1], dtype=spec.dtype, device=self.device, capture=capture)
+            head_dim=spec.shape[-1], dtype=spec.dtype, device=self.device, capture=capture,
+            rope_parts=len(self.rope.parts or [self.rope]))
         if capture:
             graphs.capture_all()
         self.graphs = graphs

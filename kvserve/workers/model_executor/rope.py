@@ -26,6 +26,7 @@ by a request that would have rotated it the same way.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -77,6 +78,22 @@ def rope_length(position: int, prompt_len: int) -> int:
     return max(position + 1, prompt_len)
 
 
+def rope_kinds(config: PretrainedConfig) -> list[str] | None:
+    """The layer types with a RoPE of their own (Gemma 3: `rope_parameters` keyed by layer
+    type, a base of 10,000 for the local layers and 1,000,000 for the global ones), in the
+    order `RotaryEmbedding.lookup` stacks them; None for one RoPE for every layer."""
+    params = getattr(config, "rope_parameters", None) or {}
+    if not params or not all(isinstance(p, dict) for p in params.values()):
+        return None
+    return sorted(params)
+
+
+def rope_part(config: PretrainedConfig, layer: int) -> int | None:
+    """Which of `rope_kinds`' stacked cos/sin blocks layer `layer` takes (None: there is one)."""
+    kinds = rope_kinds(config)
+    return None if kinds is None else kinds.index(config.layer_types[layer])
+
+
 class RotaryEmbedding:
     def __init__(
         self, config: PretrainedConfig, max_positions: int, device: torch.device,
@@ -85,6 +102,18 @@ class RotaryEmbedding:
         self.config = config
         self.device = device
         self.dtype = dtype  # the activations': transformers casts cos/sin to it
+        # per layer type (Gemma 3), a RotaryEmbedding each, over a copy of the config holding
+        # that type's parameters, as transformers' per-type init functions read them
+        self.parts: list[RotaryEmbedding] | None = None
+        if kinds := rope_kinds(config):
+            self.parts = []
+            for kind in kinds:
+                part = copy.copy(config)
+                part.rope_parameters = dict(config.rope_parameters[kind])
+                self.parts.append(RotaryEmbedding(part, max_positions, device, dtype))
+            self.rope_type = "+".join(p.rope_type for p in self.parts)
+            self.dynamic = False
+            return
         self.rope_type = config.rope_parameters.get("rope_type", "default")
         self.dynamic = "dynamic" in self.rope_type or self.rope_type == "longrope"
         inv_freq, scaling = _initial_inv_freq(config)
@@ -104,6 +133,8 @@ class RotaryEmbedding:
         """What a request's cached keys depend on besides its tokens: "" unless this RoPE is
         length-dependent and the prompt passes the trained length (then its rotations depend on
         L, for dynamic NTK, or on being long, for longrope)."""
+        if self.parts is not None:
+            return ",".join(k for p in self.parts if (k := p.cache_key(prompt_len)))
         if not self.dynamic or prompt_len <= self.original_len:
             return ""
         return "rope:long" if self.rope_type == "longrope" else f"rope:{prompt_len}"
@@ -112,7 +143,12 @@ class RotaryEmbedding:
         self, positions: torch.Tensor, spans: list[RopeSpan]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [tokens, head_dim] for `positions` [tokens], which `spans` split into the
-        step's chunks, in order (host ints: a length-dependent RoPE costs no device sync)."""
+        step's chunks, in order (host ints: a length-dependent RoPE costs no device sync).
+        Per layer type (`parts`): [types * tokens, head_dim], each type's rows in turn, in
+        `rope_kinds` order (a layer takes its own block: `rope_part`)."""
+        if self.parts is not None:
+            tables = [part.lookup(positions, spans) for part in self.parts]
+            return torch.cat([c for c, _ in tables]), torch.cat([s for _, s in tables])
         if not self.dynamic:
             return self.cos[positions], self.sin[positions]
         sizes: list[int] = []

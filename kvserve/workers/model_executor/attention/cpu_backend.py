@@ -31,12 +31,12 @@ class CPUAttention(TorchAttention):
         self.kernels = kernels  # kvserve.workers.model_executor.cpu_kernels
 
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-               window: int = 0) -> torch.Tensor:
+               window: int = 0, softcap: float = 0.0) -> torch.Tensor:
         # q: [decodes, heads, head_dim] -> [decodes, heads, head_dim]
         if not self.covers(q, k_cache):
-            return super().decode(q, k_cache, v_cache, meta, scale, window)
+            return super().decode(q, k_cache, v_cache, meta, scale, window, softcap)
         return self.kernels.paged_decode(q, k_cache, v_cache, meta.decode_block_tables,
-                                         meta.decode_context_lens, scale, window)
+                                         meta.decode_context_lens, scale, window, softcap)
 
     @staticmethod
     def covers(q: torch.Tensor, k_cache: torch.Tensor) -> bool:

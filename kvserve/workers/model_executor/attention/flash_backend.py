@@ -48,14 +48,17 @@ class KernelProvider(Protocol):
 
     name: str  # one of PROVIDERS
     kernel_name: str  # what ran, for reports: e.g. "flash-attn 2.8.3"
+    softcap: bool  # takes a soft-cap of the scores (Gemma 2)
     block_multiple: int
     dtypes: tuple[torch.dtype, ...]
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               meta: AttentionMetadata, scale: float, window: int = 0) -> torch.Tensor: ...
+               meta: AttentionMetadata, scale: float, window: int = 0,
+               softcap: float = 0.0) -> torch.Tensor: ...
 
     def prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float, window: int = 0) -> torch.Tensor: ...
+                meta: AttentionMetadata, scale: float, window: int = 0,
+                softcap: float = 0.0) -> torch.Tensor: ...
 
 
 def left_window(window: int) -> int:
@@ -69,6 +72,7 @@ class FlashAttnProvider:
     references). `batch_invariant=False` lets the kernel choose decode splits (probes only)."""
 
     name = FLASH_ATTN
+    softcap = True
 
     def __init__(
         self, varlen_func: Callable | None = None, with_kvcache: Callable | None = None, *,
@@ -89,18 +93,18 @@ class FlashAttnProvider:
         self._decode_splits = 1 if batch_invariant else 0  # 0: the kernel's heuristic
 
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-               window: int = 0) -> torch.Tensor:
+               window: int = 0, softcap: float = 0.0) -> torch.Tensor:
         # q: [decodes, heads, head_dim] -> [decodes, 1, heads, head_dim]: one query per sequence
         out = self._with_kvcache(
             q.unsqueeze(1), k_cache, v_cache,
             cache_seqlens=meta.decode_context_lens, block_table=meta.decode_block_tables,
             softmax_scale=scale, causal=True, window_size=(left_window(window), 0),
-            num_splits=self._decode_splits,
+            softcap=softcap, num_splits=self._decode_splits,
         )  # [decodes, 1, heads, head_dim]
         return out.squeeze(1)
 
     def prefill(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-                window: int = 0) -> torch.Tensor:
+                window: int = 0, softcap: float = 0.0) -> torch.Tensor:
         # q: [prefill tokens, heads, head_dim]. The chunks' k/v are already in the cache, so
         # every chunk reads its whole context (cached prefix + itself) through its block table;
         # cu_seqlens_k then only says how many keys each chunk has, causal aligns bottom-right
@@ -109,7 +113,7 @@ class FlashAttnProvider:
             cu_seqlens_q=meta.cu_seqlens_q, cu_seqlens_k=meta.cu_seqlens_k,
             max_seqlen_q=meta.max_prefill_q, max_seqlen_k=meta.max_prefill_k,
             softmax_scale=scale, causal=True, window_size=(left_window(window), 0),
-            block_table=meta.prefill_block_tables,
+            softcap=softcap, block_table=meta.prefill_block_tables,
         )
 
 
@@ -118,6 +122,7 @@ class TorchVarlenProvider:
     `batch_invariant=False` lets the kernel choose decode splits (probes only)."""
 
     name = TORCH_VARLEN
+    softcap = False  # varlen_attn has no softcap argument
 
     def __init__(
         self, varlen_attn: Callable | None = None, *, kernel_name: str | None = None,
@@ -137,7 +142,7 @@ class TorchVarlenProvider:
         self._step: tuple[AttentionMetadata | None, dict[str, torch.Tensor]] = (None, {})
 
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-               window: int = 0) -> torch.Tensor:
+               window: int = 0, softcap: float = 0.0) -> torch.Tensor:
         # q: [decodes, heads, head_dim], each a sequence of one query. A single query row sees
         # every key of its sequence whether causal or not; non-causal (-1, -1) lets the kernel
         # fold the GQA group into the query rows (mha_varlen_fwd's seqlenq_ngroups_swapped).
@@ -152,7 +157,7 @@ class TorchVarlenProvider:
         )
 
     def prefill(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-                window: int = 0) -> torch.Tensor:
+                window: int = 0, softcap: float = 0.0) -> torch.Tensor:
         # q: [prefill tokens, heads, head_dim]; k/v of the chunks are in the cache already
         step = self._derived(meta)
         return self._varlen(
@@ -198,21 +203,25 @@ class FlashAttention(PagedAttention):
         return self.provider.block_multiple
 
     def __call__(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata,
-                 scale: float, window: int = 0) -> torch.Tensor:
+                 scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
         if q.dtype not in self.provider.dtypes:  # the kernel's own error says less
             names = ", ".join(str(d).removeprefix("torch.") for d in self.provider.dtypes)
             raise ValueError(f"attention_backend flash_attn ({self.kernel_name}) runs {names}, "
                              f"not {str(q.dtype).removeprefix('torch.')}")
-        return super().__call__(q, k, v, k_cache, v_cache, meta, scale, window)
+        if softcap and not self.provider.softcap:
+            raise ValueError(f"attention_backend flash_attn ({self.kernel_name}) has no "
+                             f"soft-capping, which this model's attention needs")
+        return super().__call__(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
 
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-               window: int = 0) -> torch.Tensor:
-        return self.provider.decode(q, k_cache, v_cache, meta, scale, window)
+               window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+        return self.provider.decode(q, k_cache, v_cache, meta, scale, window, softcap)
 
     def prefill(
         self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
-        return self.provider.prefill(q, k_cache, v_cache, meta, scale, window)
+        return self.provider.prefill(q, k_cache, v_cache, meta, scale, window, softcap)
 
 
 # -- provider selection ---------------------------------------------------------------------

@@ -85,10 +85,10 @@ class Step:
     scale: float
 
     def run(self, backend: PagedAttention, meta: AttentionMetadata | None = None,
-            window: int = 0) -> torch.Tensor:
+            window: int = 0, softcap: float = 0.0) -> torch.Tensor:
         """backend(...) on copies of the caches (it writes this step's k/v into them)."""
         return backend(self.q, self.k, self.v, self.k_cache.clone(), self.v_cache.clone(),
-                       meta or self.meta, self.scale, window)
+                       meta or self.meta, self.scale, window, softcap)
 
 
 def random_step(

@@ -62,7 +62,7 @@ def flash_attn_varlen_func(
 
     `dtypes`/`page_multiple` are not kernel arguments: they default to the kernel's limits and
     a test may widen them (fp32, block 16) to exercise the caller's logic on a CPU."""
-    _unsupported(dropout_p=dropout_p, softcap=softcap, alibi_slopes=alibi_slopes,
+    _unsupported(dropout_p=dropout_p, alibi_slopes=alibi_slopes,
                  return_attn_probs=return_attn_probs)
     window = _causal_window(causal, window_size)
     paged = block_table is not None
@@ -73,7 +73,7 @@ def flash_attn_varlen_func(
     _check_max("max_seqlen_q", max_seqlen_q, q_lens)
     _check_max("max_seqlen_k", max_seqlen_k, k_lens)
     return _attend_packed(q, k, v, block_table, q_lens, k_lens, _starts(k_lens),
-                          _scale(softmax_scale, head_dim), window)
+                          _scale(softmax_scale, head_dim), window, softcap)
 
 
 def flash_attn_with_kvcache(
@@ -92,7 +92,7 @@ def flash_attn_with_kvcache(
     tokens of its cache, bottom-right causal. `num_splits` changes only the kernel's reduction
     order, never the exact result, so the reference checks it and ignores it."""
     _unsupported(k=k, v=v, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
-                 cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, softcap=softcap,
+                 cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
                  alibi_slopes=alibi_slopes, return_softmax_lse=return_softmax_lse)
     if not isinstance(num_splits, int) or num_splits < 0:
         raise ContractError(f"num_splits must be an int >= 0, got {num_splits!r}")
@@ -120,7 +120,7 @@ def flash_attn_with_kvcache(
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # [batch, q_len, heads, d]
     for b, k_len in enumerate(k_lens):
         keys, values = _sequence_kv(k_cache, v_cache, block_table, b, 0, k_len)
-        out[b] = _attend(q[b], keys, values, scale, window)
+        out[b] = _attend(q[b], keys, values, scale, window, softcap)
     return out.to(q.dtype)
 
 
@@ -182,7 +182,7 @@ def varlen_attn(
 def _attend_packed(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_table: torch.Tensor | None,
     q_lens: list[int], k_lens: list[int], starts_k: list[int], scale: float,
-    window: tuple[int, int],
+    window: tuple[int, int], softcap: float = 0.0,
 ) -> torch.Tensor:
     """The two varlen kernels' result: sequence b's rows of the packed q ([total_q, heads, d])
     attend to its k_lens[b] keys, packed from row starts_k[b] or, with `block_table`, in its
@@ -194,16 +194,17 @@ def _attend_packed(
     for b, (q_len, k_len) in enumerate(zip(q_lens, k_lens, strict=True)):
         keys, values = _sequence_kv(k, v, block_table, b, starts_k[b], k_len)
         rows = slice(q_start, q_start + q_len)
-        out[rows] = _attend(q[rows], keys, values, scale, window)
+        out[rows] = _attend(q[rows], keys, values, scale, window, softcap)
         q_start += q_len
     return out.to(q.dtype)
 
 
 def _attend(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
-    window: tuple[int, int],
+    window: tuple[int, int], softcap: float = 0.0,
 ) -> torch.Tensor:
-    """q: [q_len, heads, d]; keys/values: [k_len, kv_heads, d] -> [q_len, heads, d] fp32."""
+    """q: [q_len, heads, d]; keys/values: [k_len, kv_heads, d] -> [q_len, heads, d] fp32.
+    `softcap` > 0: scaled scores become softcap * tanh(score / softcap), as flash-attn's."""
     q_len, heads, _ = q.shape
     k_len, kv_heads, _ = keys.shape
     group = heads // kv_heads
@@ -211,6 +212,8 @@ def _attend(
     keys = keys.float().repeat_interleave(group, dim=1)  # [k_len, heads, d]
     values = values.float().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.float(), keys) * scale  # [heads, q_len, k_len]
+    if softcap > 0:
+        scores = torch.tanh(scores / softcap) * softcap
     allowed = window_mask(q_len, k_len, window, q.device)  # [q_len, k_len]
     scores = scores.masked_fill(~allowed, float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a row with no key: zeros

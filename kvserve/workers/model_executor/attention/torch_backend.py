@@ -29,6 +29,26 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> t
     return gathered.transpose(1, 2)
 
 
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+         scale: float, softcap: float = 0.0, is_causal: bool = False) -> torch.Tensor:
+    """scaled_dot_product_attention, GQA by broadcast (q: [b, heads, q_len, d] or grouped
+    [b, kv_heads, group, d]; k, v: [b, kv_heads, k_len, d]). With `softcap` (Gemma 2), which
+    SDPA has no place for, the steps of transformers' eager attention in its order and dtypes:
+    scores in the input dtype, capped, masked, softmax in fp32, rounded back, times v."""
+    if not softcap:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
+                                              scale=scale, enable_gqa=True)
+    if q.shape[1] != k.shape[1]:  # (a grouped q has the kv heads already)
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)  # [b, heads, k_len, d]
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
+
+
 class PagedAttention:
     """Writes the step's K/V into the cache, then attends: decodes first, prefill chunks after."""
 
@@ -37,37 +57,39 @@ class PagedAttention:
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-        window: int = 0,
+        window: int = 0, softcap: float = 0.0,
     ) -> torch.Tensor:
         # q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim]
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        return self.attend(q, k, v, k_cache, v_cache, meta, scale, window)
+        return self.attend(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-        window: int = 0,
+        window: int = 0, softcap: float = 0.0,
     ) -> torch.Tensor:
         """Attention over a cache that already holds the step's K/V (the model's fused RoPE
         and KV-write kernel wrote them): decodes first, prefill chunks after. `window` > 0: a
         query at position p sees the keys at p - window + 1 .. p only (a sliding-window
         layer); the blocks before its window may be freed (their table entries read as block
-        0), so no backend reads keys there."""
+        0), so no backend reads keys there. `softcap` > 0 (Gemma 2): each score becomes
+        softcap * tanh(score / softcap) before the mask."""
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
-            out[:nd] = self.decode(q[:nd], k_cache, v_cache, meta, scale, window)
+            out[:nd] = self.decode(q[:nd], k_cache, v_cache, meta, scale, window, softcap)
         if meta.prefills:
             out[nd:] = self.prefill(q[nd:], k[nd:], v[nd:], k_cache, v_cache, meta, scale,
-                                    window)
+                                    window, softcap)
         return out
 
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-               window: int = 0) -> torch.Tensor:
+               window: int = 0, softcap: float = 0.0) -> torch.Tensor:
         raise NotImplementedError
 
     def prefill(
         self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         raise NotImplementedError
 
@@ -76,7 +98,7 @@ class TorchAttention(PagedAttention):
     name = "torch"
 
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-               window: int = 0) -> torch.Tensor:
+               window: int = 0, softcap: float = 0.0) -> torch.Tensor:
         length = meta.max_decode_context
         keys = gather_kv(k_cache, meta.decode_block_tables, length)
         values = gather_kv(v_cache, meta.decode_block_tables, length)
@@ -85,26 +107,26 @@ class TorchAttention(PagedAttention):
         # a kv head's query heads go in as its query rows: each key is read once per kv head,
         # not once per query head (one token per sequence, so one mask row serves them all)
         grouped = q.view(seqs, kv_heads, heads // kv_heads, head_dim)
-        out = F.scaled_dot_product_attention(
-            grouped, keys, values, attn_mask=meta.decode_window_mask(window), scale=scale
-        )  # [decodes, kv_heads, group, head_dim]
+        out = sdpa(grouped, keys, values, meta.decode_window_mask(window), scale,
+                   softcap)  # [decodes, kv_heads, group, head_dim]
         return out.view(seqs, heads, head_dim)
 
     def prefill(
         self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         out = torch.empty_like(q)
         first = meta.num_decodes  # rows of q/k/v here start after the decodes
         for seg in meta.prefills:
             rows = slice(seg.q_start - first, seg.q_start - first + seg.q_len)
             out[rows] = self._chunk(q[rows], k[rows], v[rows], k_cache, v_cache, seg, scale,
-                                    window)
+                                    window, softcap)
         return out
 
     def _chunk(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         k_cache: torch.Tensor, v_cache: torch.Tensor, seg: PrefillSegment, scale: float,
-        window: int,
+        window: int, softcap: float,
     ) -> torch.Tensor:
         mask = None
         offset = seg.context_len - seg.q_len  # the chunk's first position
@@ -125,8 +147,8 @@ class TorchAttention(PagedAttention):
                 mask = torch.ones(seg.q_len, seg.context_len, dtype=torch.bool,
                                   device=q.device).tril()
             mask = mask.triu(diagonal=offset - first_key - window + 1)
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], keys, values, attn_mask=mask,
-            is_causal=mask is None, scale=scale, enable_gqa=True,
-        )  # [1, heads, q_len, head_dim]
+        if mask is None and softcap:  # causal within the chunk
+            mask = torch.ones(seg.q_len, seg.q_len, dtype=torch.bool, device=q.device).tril()
+        out = sdpa(q.transpose(0, 1)[None], keys, values, mask, scale, softcap,
+                   is_causal=mask is None)  # [1, heads, q_len, head_dim]
         return out[0].transpose(0, 1)

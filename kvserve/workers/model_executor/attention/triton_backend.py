@@ -65,10 +65,10 @@ class TritonAttention(PagedAttention):
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-        window: int = 0,
+        window: int = 0, softcap: float = 0.0,
     ) -> torch.Tensor:
         # q: [tokens, heads, head_dim] -> [tokens, heads, head_dim]; k/v are in the cache
         return self.kernels.paged_attention(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
             meta.num_decodes, scale, dot_fp32=self.dot_fp32,
-            max_decode_context=meta.max_decode_context or None, window=window)
+            max_decode_context=meta.max_decode_context or None, window=window, softcap=softcap)

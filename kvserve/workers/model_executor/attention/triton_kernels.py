@@ -132,13 +132,14 @@ def _find_sequence(query_start_ptr, pid, num_seqs, BLOCK_Q: tl.constexpr):
 def _attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_ptr,
-    num_seqs, scale, window,
+    num_seqs, scale, window, softcap,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_table,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_KV: tl.constexpr,
     MAX_S: tl.constexpr, MIN_TOKENS: tl.constexpr, DOT_FP32: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -208,6 +209,8 @@ def _attention_kernel(
         else:
             s = tl.dot(q, k)
         s = s * scale  # [BLOCK_M, BLOCK_N]
+        if SOFTCAP:  # Gemma 2: softcap * tanh(s / softcap), tanh(x) = 1 - 2 / (e^2x + 1)
+            s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
         seen = key_ok[None, :] & (pos[None, :] <= q_pos[:, None]) & row_ok[:, None]
         seen = seen & ((window == 0) | (pos[None, :] > q_pos[:, None] - window))
         s = tl.where(seen, s, float("-inf"))
@@ -268,6 +271,7 @@ def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, num_decodes: int, scale: float,
     dot_fp32: bool = False, max_decode_context: int | None = None, window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal attention of every query row over the paged cache, which already holds them.
 
@@ -279,7 +283,8 @@ def paged_attention(
     -> [tokens, heads, head_dim] in q's dtype. Two launches at most (decodes, prefill chunks)
     plus the decodes' merge; their grids depend on `tokens`, `seqs` and `num_decodes` only.
     `window` > 0 (a sliding-window layer): a query at position p sees keys p - window + 1..p,
-    and no key before its window is read (its block may have been freed).
+    and no key before its window is read (its block may have been freed). `softcap` > 0
+    (Gemma 2): each score becomes softcap * tanh(score / softcap) before the mask.
     `max_decode_context`, when the host knows it (an eager step), trims the decodes' split axis
     to the splits the longest needs: fewer programs that would only exit, the same numbers
     (each row's split count is still its own length's). None (a CUDA graph): MAX_SPLITS."""
@@ -292,7 +297,7 @@ def paged_attention(
     dot_fp32 = dot_fp32 or q.dtype == torch.float32
     common = dict(NUM_HEADS=heads, GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
                   BLOCK_SIZE=block_size, MAX_S=MAX_SPLITS, MIN_TOKENS=SPLIT_MIN_TOKENS,
-                  DOT_FP32=dot_fp32)
+                  DOT_FP32=dot_fp32, SOFTCAP=softcap > 0)
     strides = (q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3],
                *v_cache.stride()[:3], block_tables.stride(0))
     if num_decodes:
@@ -306,7 +311,8 @@ def paged_attention(
         split_axis = num_splits(max_decode_context) if max_decode_context else MAX_SPLITS
         _attention_kernel[(num_decodes, kv_heads, split_axis)](
             q, k_cache, v_cache, out, part_acc, part_m, part_l,
-            block_tables, seq_lens, query_start_loc, num_decodes, scale, window, *strides,
+            block_tables, seq_lens, query_start_loc, num_decodes, scale, window, softcap,
+            *strides,
             BLOCK_M=tiles.block_m, BLOCK_Q=1, BLOCK_N=tiles.block_n, SPLIT_KV=True, **common,
             num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         )
@@ -323,7 +329,7 @@ def paged_attention(
         _attention_kernel[(prefill_tokens // tiles.block_q + num_prefills, kv_heads, 1)](
             q, k_cache, v_cache, out, out, out, out,
             block_tables[num_decodes:], seq_lens[num_decodes:],
-            query_start_loc[num_decodes:], num_prefills, scale, window, *strides,
+            query_start_loc[num_decodes:], num_prefills, scale, window, softcap, *strides,
             BLOCK_M=tiles.block_m, BLOCK_Q=tiles.block_q, BLOCK_N=tiles.block_n,
             SPLIT_KV=False, **common, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         )

@@ -52,7 +52,7 @@ at::Tensor decode_layer(const at::Tensor& h, const std::vector<at::Tensor>& w,
   v_cache.view({-1, kv_heads, D})
       .index_copy_(0, slot_mapping, qkv.narrow(1, heads + kv_heads, kv_heads));
   auto attn = paged_decode(qkv.narrow(1, 0, heads), k_cache, v_cache, block_tables, context_lens,
-                           scale, window);  // [seqs, heads, D]
+                           scale, window, 0.0);  // [seqs, heads, D]
   auto out = h + project(attn.view({seqs, heads * D}), w, kO, hidden);
   // MLP: norm, gate and up, SiLU(gate) * up, down
   x = rms_norm(out, w[kPostNorm], eps);

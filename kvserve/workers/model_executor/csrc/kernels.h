@@ -9,7 +9,7 @@
 
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& block_tables, const at::Tensor& context_lens,
-                        double scale, int64_t window);
+                        double scale, int64_t window, double softcap);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
 void rotary_(at::Tensor& x, int64_t heads, const at::Tensor& cos, const at::Tensor& sin);

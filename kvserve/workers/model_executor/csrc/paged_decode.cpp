@@ -39,7 +39,8 @@ struct Shape {
 template <int D, typename T>
 void attend_one(T* __restrict__ out, const T* __restrict__ q_in, const T* k_cache,
                 const T* v_cache, const int32_t* table, int64_t first, int64_t length,
-                int64_t kv_head, const Shape& shape, float scale, std::vector<float>& scores) {
+                int64_t kv_head, const Shape& shape, float scale, float softcap,
+                std::vector<float>& scores) {
   const int64_t G = shape.group, BS = shape.block_size;
   const int64_t token_stride = shape.kv_heads * D;  // cache: [blocks, block_size, kv_heads, D]
   const int64_t block_stride = BS * token_stride;
@@ -61,6 +62,7 @@ void attend_one(T* __restrict__ out, const T* __restrict__ q_in, const T* k_cach
         float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
         for (int d = 0; d < D; ++d) dot += q[g][d] * widen(k[d]);
+        if (softcap > 0.f) dot = std::tanh(dot / softcap) * softcap;  // Gemma 2
         scores[g * n + (t - first)] = dot;
       }
     }
@@ -101,7 +103,8 @@ const T* data(const at::Tensor& t) { return static_cast<const T*>(t.data_ptr());
 template <int D, typename T>
 void paged_decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                        const at::Tensor& v_cache, const at::Tensor& block_tables,
-                       const at::Tensor& context_lens, float scale, int64_t window) {
+                       const at::Tensor& context_lens, float scale, int64_t window,
+                       float softcap) {
   const int64_t seqs = q.size(0), heads = q.size(1), kv_heads = k_cache.size(2);
   const Shape shape{k_cache.size(1), kv_heads, heads / kv_heads, q.stride(0)};
   const int64_t max_blocks = block_tables.size(1);
@@ -119,7 +122,8 @@ void paged_decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
       const int64_t first_key = window > 0 ? std::max<int64_t>(0, lens[s] - window) : 0;
       attend_one<D, T>(out_ptr + (s * heads + first_head) * D,
                        q_ptr + s * shape.q_row_stride + first_head * D, k_ptr, v_ptr,
-                       tables + s * max_blocks, first_key, lens[s], h, shape, scale, scores);
+                       tables + s * max_blocks, first_key, lens[s], h, shape, scale, softcap,
+                       scores);
     }
   });
 }
@@ -128,10 +132,11 @@ void paged_decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
 
 // q: [seqs, heads, D] (rows may be strided); caches: [blocks, block_size, kv_heads, D] contiguous;
 // block_tables: [seqs, max_blocks] int32; context_lens: [seqs] int32; window: keys each query
-// sees back from itself (a sliding-window layer), 0 for all -> out: [seqs, heads, D]
+// sees back from itself (a sliding-window layer), 0 for all; softcap > 0: each score becomes
+// softcap * tanh(score / softcap) (Gemma 2) -> out: [seqs, heads, D]
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& block_tables, const at::Tensor& context_lens,
-                        double scale, int64_t window) {
+                        double scale, int64_t window, double softcap) {
   TORCH_CHECK((q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16) &&
               k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
               "paged_decode: fp32 or bf16 q and caches, all of one dtype");
@@ -153,24 +158,25 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
               "paged_decode: at most 16 query heads per KV head");
   auto out = at::empty({q.size(0), heads, q.size(2)}, q.options());
   const auto s = static_cast<float>(scale);
+  const auto cap = static_cast<float>(softcap);
   const bool bf16 = q.scalar_type() == at::kBFloat16;
   switch (q.size(2)) {
     case 64:
       if (bf16) {
         paged_decode_impl<64, uint16_t>(out, q, k_cache, v_cache, block_tables, context_lens, s,
-                                          window);
+                                          window, cap);
       } else {
         paged_decode_impl<64, float>(out, q, k_cache, v_cache, block_tables, context_lens, s,
-                                          window);
+                                          window, cap);
       }
       break;
     case 128:
       if (bf16) {
         paged_decode_impl<128, uint16_t>(out, q, k_cache, v_cache, block_tables, context_lens, s,
-                                          window);
+                                          window, cap);
       } else {
         paged_decode_impl<128, float>(out, q, k_cache, v_cache, block_tables, context_lens, s,
-                                          window);
+                                          window, cap);
       }
       break;
     default: TORCH_CHECK(false, "paged_decode: head_dim 64 or 128");
