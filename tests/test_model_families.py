@@ -26,7 +26,7 @@ from kvserve.workers.model_executor.families import FAMILIES, family_of
 from kvserve.workers.model_executor.loader import LoadedCheckpoint
 from kvserve.workers.model_executor.tiny import tiny_config
 from tests.helpers import assert_engine_idle, noisy_checkpoint
-from tests.test_model_support import GEMMA2, GEMMA3
+from tests.test_model_support import GEMMA2, GEMMA3, MIXTRAL
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -48,6 +48,8 @@ NEW_FAMILIES = {
     # local and global layers with a RoPE each (base 10,000; 1,000,000 scaled by 8) and q/k
     # norms (tests/test_model_support.py: GEMMA3)
     "gemma3_text": {**GEMMA3, "head_dim": 64},
+    # 4 experts, 2 per token (tests/test_model_support.py: MIXTRAL)
+    "mixtral": MIXTRAL,
 }
 NEW_TOKENS = 16
 LONG = 320  # tokens: 20 blocks of 16, prefilled in 20 chunks
@@ -134,7 +136,7 @@ def _without_its_feature(case: Case) -> LLMEngine:
     """An engine on the case's checkpoint with the family's own feature removed: Qwen3's q/k
     norms; Phi-3's long-RoPE scaling (plain RoPE instead); Mistral's window (full attention,
     every block kept); Gemma 2's attention soft-cap; Gemma 3's RoPE per layer type (the local
-    one on every layer)."""
+    one on every layer); Mixtral's second expert per token."""
     if case.name == "phi3":
         assert case.ckpt.config.rope_parameters["rope_type"] == "longrope"
         return _engine(case.ckpt, rope_parameters={"rope_type": "default"})
@@ -163,13 +165,20 @@ def _without_its_feature(case: Case) -> LLMEngine:
         for a in attns:
             a.rope_part = 1  # the local layer's RoPE on both
         return engine
+    if case.name == "mixtral":
+        moes = [layer.mlp for layer in engine.runner.model.layers]
+        assert all(m.top_k == 2 for m in moes)
+        for m in moes:
+            m.top_k = 1  # the router's first choice alone
+        return engine
     raise AssertionError(f"no switch for {case.name}")
 
 
 def test_without_the_familys_feature_the_output_is_not_transformers(case: Case) -> None:
     """Negative control: the same checkpoint with the family's feature switched off (Qwen3:
     the q/k norms; Phi-3: long RoPE; Mistral: the window; Gemma 2: the attention soft-cap;
-    Gemma 3: its global layer's own RoPE) departs from transformers on every prompt
+    Gemma 3: its global layer's own RoPE; Mixtral: each token's second expert) departs from
+    transformers on every prompt
     (Mistral's: on every prompt longer than its window; within it, full attention is the same
     attention)."""
     ours = engine_greedy(_without_its_feature(case), case.prompts, NEW_TOKENS, concurrent=True)
@@ -255,3 +264,34 @@ def test_the_triton_backend_gives_transformers_tokens(case: Case) -> None:
     engine = _engine(case.ckpt, attention_backend="triton", device=device, dtype="float32")
     ours = engine_greedy(engine, prompts, 8, concurrent=True)
     assert _equal(ours, hf_greedy(case.hf, prompts, 8)) == []
+
+
+def test_a_mixture_of_experts_under_tensor_parallelism_is_refused_naming_the_field() -> None:
+    """Mixtral's experts are not split over ranks yet: tp 2 is refused before any rank starts,
+    on the `tensor_parallel_size` field, naming the model type; tp 1 is taken."""
+    from kvserve.workers.parallel.shard import check_divisible
+
+    config = tiny_config("mixtral", **MIXTRAL)
+    check_divisible(config, 1)
+    with pytest.raises(EngineConfigError) as refused:
+        check_divisible(config, 2)
+    assert refused.value.field == "tensor_parallel_size"
+    assert "'mixtral'" in str(refused.value) and "kvserve models" in str(refused.value)
+
+
+def test_the_tiny_checkpoint_writer_makes_a_directory_kvserve_serves(tmp_path, capsys) -> None:
+    """`python -m kvserve.workers.model_executor.tiny` (the benchmarks' tiny Mixtral): its
+    FIELD=VALUE overrides reach the config, and `kvserve generate --model DIR` serves it."""
+    from kvserve.workers.model_executor import tiny
+
+    out = tmp_path / "mixtral"
+    assert tiny.main(["mixtral", str(out), "num_local_experts=4", "num_experts_per_tok=2",
+                      "hidden_act=silu"]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "mixtral" and config["num_local_experts"] == 4
+    capsys.readouterr()
+    assert main(["generate", "--model", str(out), "--device", "cpu", "--max-tokens", "4",
+                 "--json", "Hello"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["token_ids"]) == 4
+    with pytest.raises(SystemExit):
+        tiny.main(["mixtral", str(out), "num_local_experts"])  # not FIELD=VALUE

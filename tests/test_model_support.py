@@ -27,6 +27,7 @@ GEMMA2 = {"sliding_window": 32, "query_pre_attn_scalar": 16, "attn_logit_softcap
 GEMMA3 = {"sliding_window": 32, "query_pre_attn_scalar": 16, "tie_word_embeddings": False,
           "layer_types": ["sliding_attention", "full_attention"],
           "rope_scaling": {"rope_type": "linear", "factor": 8.0}}
+MIXTRAL = {"num_local_experts": 4, "num_experts_per_tok": 2}
 MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama-tied": ("llama", {}),
     "llama-untied": ("llama", {"tie_word_embeddings": False}),
@@ -42,6 +43,8 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     # Gemma 2's layer without caps, with q/k norms and a RoPE per layer type: the local
     # layer's base 10,000, the global one's 1,000,000 with linear scaling
     "gemma3": ("gemma3_text", GEMMA3),
+    # 4 experts, 2 per token: a sparse MoE in place of each MLP
+    "mixtral": ("mixtral", MIXTRAL),
 }
 PROMPT_LENS = (5, 37, 70)  # 70 spans five 16-token blocks; 37 and 70 need several 32-token chunks
 NEW_TOKENS = 12

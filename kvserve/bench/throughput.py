@@ -33,7 +33,7 @@ from kvserve.bench.tensor_parallel import summarize_tp, tp_engines, tp_round
 from kvserve.workers.config import EngineConfig
 from kvserve.workers.engine import LLMEngine
 from kvserve.workers.model_executor.cpu_kernels import cpu_summary
-from kvserve.workers.model_executor.model import Linear
+from kvserve.workers.model_executor.model import Linear, SparseMoE
 
 
 def kvserve_throughput(
@@ -219,17 +219,24 @@ def throughput_and_matmul_share(
 @torch.inference_mode()
 def matmul_seconds(model: torch.nn.Module, rows: int, sampled: int, repeats: int = 3) -> float:
     """Seconds for one step's projections at `rows` tokens (`sampled` rows through lm_head),
-    best of `repeats`."""
+    best of `repeats`. A mixture of experts counts whole (its router, and its experts on the
+    tokens a random input routes to them)."""
     lm_head = model.lm_head
-    linears = [m for m in model.modules() if isinstance(m, Linear) and m is not lm_head]
+    moes = [m for m in model.modules() if isinstance(m, SparseMoE)]
+    in_moe = {id(m.gate) for m in moes}
+    linears = [m for m in model.modules()
+               if isinstance(m, Linear) and m is not lm_head and id(m) not in in_moe]
     dtype = model.embed_tokens.weight.dtype
     inputs = {m.in_features: torch.randn(rows, m.in_features).to(dtype) for m in linears}
+    moe_in = torch.randn(rows, model.config.hidden_size).to(dtype)
     head_in = torch.randn(sampled, lm_head.in_features).to(dtype)
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
         for m in linears:
             m(inputs[m.in_features])
+        for m in moes:
+            m(moe_in)
         if sampled:
             lm_head(head_in)
         best = min(best, time.perf_counter() - start)

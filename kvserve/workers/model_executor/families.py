@@ -32,6 +32,9 @@ class Family:
     # through tanh-approximated GELU (GeGLU); attention scaled by query_pre_attn_scalar**-0.5;
     # tanh soft-capping of attention scores and final logits where the config sets them
     gemma: bool = False
+    # a sparse mixture of experts in place of the MLP (Mixtral): a router picks
+    # num_experts_per_tok of num_local_experts per token, their weights renormalised
+    moe: bool = False
     # what runs for it (docs/models.md): tensor parallelism, GGUF block codes on CPUs,
     # structured outputs, speculative decoding
     tensor_parallel: bool = True
@@ -70,6 +73,12 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
            notes="Gemma 2's layer, without soft-caps, with q/k norms and a RoPE per layer type "
                  "(local layers' base 10,000, global ones' 1,000,000 and their scaling); five "
                  "local layers to a global one, every block kept; GGUF block codes untested"),
+    Family("mixtral", "Mixtral", "Mixtral 8x7B, 8x22B", moe=True, tensor_parallel=False,
+           block_codes=False,
+           notes="experts computed grouped by expert (a matmul per expert over its tokens); "
+                 "the checkpoint's experts.N.w1/w2/w3 or transformers' fused gate_up_proj/"
+                 "down_proj; a sliding window, where the config sets one, as Mistral's; no "
+                 "tensor parallelism yet (refused)"),
 )}
 
 

@@ -258,6 +258,73 @@ class MLP(nn.Module):
         return self.tp.all_reduce(out) if self.tp else out  # down_proj's partial sums
 
 
+class SparseMoE(nn.Module):
+    """Mixtral's sparse mixture of experts, in place of the MLP: a router scores the experts
+    (softmax in fp32), each token takes its top num_experts_per_tok, their weights
+    renormalised to sum to 1; each expert is SwiGLU with its own weights.
+
+    Grouped by expert, as transformers' MixtralExperts and vLLM's fused MoE: the tokens are
+    sorted by the experts they chose, and each expert runs one matmul over all of its tokens,
+    so a step costs a loop over the experts hit, not over tokens. Each token's expert outputs
+    are added in ascending expert order, as transformers adds them."""
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.num_experts = config.num_local_experts
+        self.top_k = config.num_experts_per_tok
+        self.intermediate = config.intermediate_size
+        self.gate = Linear(config.hidden_size, self.num_experts, bias=False)  # the router
+        self.experts = nn.Module()
+        # per expert: gate and up stacked, [experts, 2 * intermediate, hidden]; down,
+        # [experts, hidden, intermediate] (transformers' MixtralExperts layout)
+        self.experts.gate_up_proj = nn.Parameter(torch.empty(
+            self.num_experts, 2 * self.intermediate, config.hidden_size), requires_grad=False)
+        self.experts.down_proj = nn.Parameter(torch.empty(
+            self.num_experts, config.hidden_size, self.intermediate), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [tokens, hidden]; the router's probabilities in fp32, as transformers'
+        probs = torch.softmax(self.gate(x).float(), dim=-1)  # [tokens, experts]
+        weights, chosen = probs.topk(self.top_k, dim=-1)  # [tokens, top_k]
+        weights /= weights.sum(dim=-1, keepdim=True)
+        flat = chosen.flatten()  # [tokens * top_k]: (token, choice) pairs, token-major
+        order = flat.argsort(stable=True)  # the pairs grouped by expert
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, n in enumerate(counts):
+            if not n:
+                continue
+            pairs = order[start:start + n]
+            start += n
+            rows = pairs // self.top_k  # its tokens, in token order
+            gate, up = F.linear(x[rows], self.experts.gate_up_proj[expert]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.experts.down_proj[expert])
+            y = y * weights.flatten()[pairs, None]  # fp32, as transformers' product
+            out.index_add_(0, rows, y.to(out.dtype))
+        return out
+
+
+def _stack_experts(tensors: dict[str, torch.Tensor], layers: int) -> dict[str, torch.Tensor]:
+    """A Mixtral checkpoint's per-expert tensors (block_sparse_moe.experts.N.w1/w3/w2, as on
+    the Hub and as transformers saves them) as the stacked layout of `SparseMoE`."""
+    tensors = dict(tensors)
+    for i in range(layers):
+        old, new = f"model.layers.{i}.block_sparse_moe.", f"model.layers.{i}.mlp."
+        if old + "gate.weight" not in tensors:
+            continue
+        tensors[new + "gate.weight"] = tensors.pop(old + "gate.weight")
+        gate_up, down, e = [], [], 0
+        while f"{old}experts.{e}.w1.weight" in tensors:
+            w1, w2, w3 = (tensors.pop(f"{old}experts.{e}.{w}.weight") for w in ("w1", "w2", "w3"))
+            gate_up.append(torch.cat([w1, w3]))
+            down.append(w2)
+            e += 1
+        tensors[new + "experts.gate_up_proj"] = torch.stack(gate_up)
+        tensors[new + "experts.down_proj"] = torch.stack(down)
+    return tensors
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config: PretrainedConfig, tp: TPGroup | None = None,
                  window: int = 0, rope_part: int | None = None) -> None:
@@ -265,7 +332,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, tp, window, rope_part)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config, tp)
+        self.mlp = SparseMoE(config) if family_of(config).moe else MLP(config, tp)
         # Gemma's sandwich: its post_attention_layernorm normalises the attention's output, and
         # two more norms come before and after the MLP
         self.sandwich = family_of(config).gemma
@@ -428,7 +495,7 @@ class CausalLM(nn.Module):
         # a layer per C++ call has no place for tp's all-reduces, Qwen3's q/k norms or Gemma's
         # sandwich: there, decode steps run the same kernels op by op
         if (self.tp is None and not self.family.qk_norm and not self.family.gemma
-                and linear_available_for(kernels, dtype)
+                and not self.family.moe and linear_available_for(kernels, dtype)
                 and elementwise_available_for(kernels, dtype)
                 and CPUAttention.covers_shape(dtype, attn.num_heads, attn.num_kv_heads,
                                               attn.head_dim)):
@@ -471,6 +538,8 @@ class CausalLM(nn.Module):
         which costs more than reading it (~1.3 s for SmolLM2's 540 MB on a VM whose first
         touch of a page costs ~15 us); the fused and packed weights are new tensors anyway."""
         own = dict(self.named_parameters())
+        if self.family.moe:
+            tensors = _stack_experts(tensors, len(self.layers))
         if self.family.gemma:  # its norms apply (1 + w): the weights here hold 1 + w, in fp32
             tensors = {name: t.float() + 1.0 if name.endswith("norm.weight") else t
                        for name, t in tensors.items()}

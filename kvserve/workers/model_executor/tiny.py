@@ -109,3 +109,37 @@ def synthetic_tokenizer(vocab_size: int, bos_token_id: int = 1, eos_token_id: in
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", pad_token="<unk>",
                                    bos_token="<s>", eos_token="</s>")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m kvserve.workers.model_executor.tiny MODEL_TYPE DIR [FIELD=VALUE ...]`: a
+    random checkpoint of transformers' own config class for MODEL_TYPE (any config field
+    overridden, values read as JSON), saved as `--model DIR` reads it, with the default
+    model's tokenizer. For benchmarks of a family on shapes no checkpoint at hand has (the
+    tiny Mixtral of docs/benchmarks.md); never a hub download."""
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(prog="python -m kvserve.workers.model_executor.tiny",
+                                     description=main.__doc__)
+    parser.add_argument("model_type", help="e.g. llama, mistral, mixtral, gemma2")
+    parser.add_argument("dir", type=Path, help="where to write the checkpoint")
+    parser.add_argument("fields", nargs="*", metavar="FIELD=VALUE",
+                        help="config overrides, e.g. hidden_size=256 num_local_experts=8")
+    args = parser.parse_args(argv)
+    overrides: dict[str, Any] = {}
+    for item in args.fields:
+        name, sep, value = item.partition("=")
+        if not sep:
+            parser.error(f"{item!r}: expected FIELD=VALUE")
+        try:
+            overrides[name] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[name] = value
+    path = save_checkpoint(tiny_checkpoint(args.model_type, **overrides), args.dir)
+    print(f"wrote a random {args.model_type} checkpoint to {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

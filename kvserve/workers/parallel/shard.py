@@ -39,6 +39,13 @@ def check_divisible(config: Any, tp: int, name: str | None = None) -> None:
     if tp == 1:
         return
     name = name or getattr(config, "name_or_path", "") or f"this {config.model_type} model"
+    from kvserve.workers.model_executor.families import family_of
+
+    if not family_of(config).tensor_parallel:
+        raise EngineConfigError(
+            "tensor_parallel_size", f"tensor_parallel_size {tp}: {name} is a "
+                                    f"{config.model_type!r} model, which kvserve does not split "
+                                    f"over ranks (`kvserve models` says which do)")
     for field in ("num_attention_heads", "num_key_value_heads", "vocab_size",
                   "intermediate_size"):
         value = getattr(config, field)
