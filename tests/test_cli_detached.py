@@ -1,7 +1,9 @@
-"""`kvserve up --detach` -> `kvserve status` -> `kvserve generate --target` -> `kvserve cache
-check` -> `kvserve down`, each a subprocess as users run them, on a Ray head that `up --detach`
-starts and `down` stops, as a new user runs them: an empty HOME (no ~/.ray/auth_token, no
-~/.cache), a fresh cache dir, the default embedded Redis."""
+"""`kvserve up --detach -tp 3` -> `kvserve status` -> `kvserve generate --target` -> `kvserve
+cache check` -> `kvserve down`, each a subprocess as users run them, on a Ray head that `up
+--detach` starts and `down` stops, as a new user runs them: an empty HOME (no
+~/.ray/auth_token, no ~/.cache), a fresh cache dir, the default embedded Redis. The replica
+splits SmolLM2 over three tensor-parallel ranks (its 9 heads and 3 KV heads divide by 3), and
+nothing of them (process, shared memory) outlives `kvserve down`."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import redis
 from kvserve.cache_manager.actor import EMBEDDED_PREFIX
 from kvserve.cache_manager.redis_server import owner_alive
 from kvserve.cluster import local_head
-from kvserve.process import cmdline
+from kvserve.process import cmdline, pid_alive
 from kvserve.v1 import generation_pb2 as pb
 from kvserve.v1 import generation_pb2_grpc as pb_grpc
 from tests.helpers import poll
@@ -125,7 +127,7 @@ def _up_detach_status_generate_down(model_dir, tmp_path, monkeypatch, stack):
         http_port = free_port()
         up = kvserve("up", "--detach", "--grpc-port", str(port), "--kv-cache-memory", "256MiB",
                      "--http-port", str(http_port), "--otlp-traces-endpoint",
-                     receiver.endpoint)
+                     receiver.endpoint, "-tp", "3")
         assert up.returncode == 0, up.stdout + up.stderr
         assert f"127.0.0.1:{port}" in up.stdout
         assert f"HTTP at http://127.0.0.1:{http_port}/v1" in up.stdout
@@ -154,6 +156,10 @@ def _up_detach_status_generate_down(model_dir, tmp_path, monkeypatch, stack):
         assert report["deployments"]["Generation"]["replica_states"] == {"RUNNING": 1}
         [replica] = report["replicas"]
         assert replica["state"] == "RUNNING" and replica["pid"] > 0
+        # rank 0 in the replica's process, ranks 1 and 2 processes of their own
+        assert replica["tensor_parallel_size"] == 3, replica
+        ranks = replica["rank_pids"]
+        assert len(ranks) == 2 and replica["pid"] not in ranks and all(map(pid_alive, ranks))
         assert replica["running"] == 0 and replica["waiting"] == 0
         assert 0.0 <= replica["kv_cache_usage"] <= 1.0
         # the CPU pool's pages the warm-up wrote, carried apart from the RSS they are part of
@@ -213,6 +219,11 @@ def _up_detach_status_generate_down(model_dir, tmp_path, monkeypatch, stack):
         assert not os.path.exists(state.temp_dir)
         assert not redis_server_pids(redis_dir) and not redis_dir.exists(), "Redis left behind"
         assert not (home / ".ray").exists()  # nothing relied on, or wrote, ~/.ray
+        assert not [p for p in ranks if pid_alive(p)], "a tensor-parallel rank outlived down"
+        segments = [n for n in os.listdir("/dev/shm")
+                    if n.startswith((f"kvserve-tp-{replica['pid']}-",
+                                     f"kvserve-tp-all-reduce-{replica['pid']}-"))]
+        assert not segments, segments
 
         gone = kvserve("status")
         assert gone.returncode == 1

@@ -147,7 +147,8 @@ def test_the_sweep_covers_each_shapes_tp_sizes_and_refuses_unknown_names(capsys)
         assert shape.tp_sizes[0] == 1, name
         for tp in shape.tp_sizes:
             assert shape.heads % tp == shape.kv_heads % tp == shape.intermediate % tp == 0
-    assert {s.head_dim for s in gpu_compile.SHAPES.values()} == {64, 96, 128}
+    assert {s.head_dim for s in gpu_compile.SHAPES.values()} == {64, 96, 128, 256}
+    assert any(s.softcap for s in gpu_compile.SHAPES.values())  # its own attention compile
     from kvserve.cli import main
 
     assert main(["bench", "gpu-compile", "--gpus", "sm_75"]) == 2

@@ -238,6 +238,24 @@ def test_a_soft_cap_equals_the_reference(window):
     assert not torch.allclose(step.triton(window=window), out, rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_head_dim_256_tiles_equal_the_reference(monkeypatch, dtype):
+    """Gemma's head dim 256 takes tiles of its own (narrower key tiles; 16 x 16 in fp32): a
+    mixed step with a window and a soft-cap, as Gemma 2's local layers run it."""
+    monkeypatch.setitem(globals(), "HEAD_DIM", 256)  # Step's q, k, v and caches
+    lens = [17, 300, 40, 100]
+    tables = _tables(lens, 16, 40)
+    step = Step(list(zip(tables[:2], lens[:2], strict=True)),
+                [(tables[2], 40, 40), (tables[3], 30, 100)], num_blocks=40, dtype=dtype)
+    assert step.q.shape[-1] == 256
+    out = triton_kernels.paged_attention(
+        step.q, step.k_cache, step.v_cache, step.meta.block_tables, step.meta.seq_lens,
+        step.meta.query_start_loc, step.meta.num_decodes, SCALE, window=64, softcap=20.0)
+    f32 = [t.float() for t in (step.q, step.k, step.v, step.k_cache, step.v_cache)]
+    ref = TorchAttention().attend(*f32, step.meta, SCALE, 64, 20.0).to(dtype)
+    torch.testing.assert_close(out, ref, rtol=TOL[dtype], atol=TOL[dtype])
+
+
 def test_a_padding_row_reads_nothing_and_gives_zeros():
     """A CUDA-graph batch's padding row: context 0 (and block 0 in its table). Its output is
     zeros, finite, and the real rows equal what they are without it."""

@@ -83,6 +83,8 @@ class ModelShape:
     hidden: int
     intermediate: int
     tp_sizes: tuple[int, ...] = (1,)
+    softcap: float = 0.0  # Gemma 2's attention soft-cap: its own compile of the attention
+    window: int = 0  # a sliding window (a runtime argument: the same compile as without)
 
     @classmethod
     def of(cls, config: dict[str, Any], tp_sizes: tuple[int, ...]) -> ModelShape:
@@ -93,7 +95,9 @@ class ModelShape:
 
 # The families kvserve serves (docs/models.md), at the sizes people run: head dims 64, 96
 # (Phi-3, padded to 128 in the tiles) and 128, GQA groups 1 (multi-head) to 8, every tp that
-# divides the heads up to 8. Qwen3's shapes are Llama's (its q/k norms are torch ops).
+# divides the heads up to 8. Qwen3's shapes are Llama's (its q/k norms are torch ops);
+# Mixtral's attention is Mistral's (its experts are torch matmuls). Gemma: head dim 256, and
+# Gemma 2's soft-capped attention.
 SHAPES = {
     "smollm2-135m": ModelShape.of(SMOLLM2_SHAPE, (1, 3)),
     "llama-3.2-1b": ModelShape.of(LLAMA_1B_SHAPE, (1, 2, 4, 8)),
@@ -104,6 +108,10 @@ SHAPES = {
     "llama-3.1-70b": ModelShape(64, 8, 128, 8192, 28672, (1, 2, 4, 8)),
     "llama-2-7b": ModelShape(32, 32, 128, 4096, 11008, (1, 2, 4, 8)),
     "phi-3-mini": ModelShape(32, 32, 96, 3072, 8192, (1, 2, 4, 8)),
+    "gemma-2-2b": ModelShape(8, 4, 256, 2304, 9216, (1, 2, 4), softcap=50.0, window=4096),
+    "gemma-2-9b": ModelShape(16, 8, 256, 3584, 14336, (1, 2, 4, 8), softcap=50.0,
+                             window=4096),
+    "gemma-3-1b": ModelShape(4, 1, 256, 1152, 6912, (1,), window=512),
 }
 DTYPES = ("bfloat16", "float16", "float32")
 # 16: the default; 32; 256: flash_attn's layout, which a cache shared with it has
@@ -159,7 +167,8 @@ def _launches(shape: ModelShape, tp: int, dtype_name: str, block_size: int,
     with triton_compat.recording_launches() as launches:
         triton_kernels.paged_attention(q, cache, cache, tables, seq_lens, starts,
                                        num_decodes=decodes, scale=d ** -0.5,
-                                       dot_fp32=dot_fp32, max_decode_context=9)
+                                       dot_fp32=dot_fp32, max_decode_context=9,
+                                       window=shape.window, softcap=shape.softcap)
         made += zip(KERNELS[:3], launches, strict=True)
         launches.clear()
         triton_ops.rotary_write_kv_(qkv, heads, kv_heads, cos, cos, cache, cache, slots)

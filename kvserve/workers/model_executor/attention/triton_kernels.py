@@ -55,6 +55,12 @@ NUM_WARPS = 4
 # prefill tiles of head dim 128 on 4 warps need 255 registers and spill 64 B on sm_80; 8 warps
 # need 187 and spill nothing
 WIDE_HEAD_WARPS = 8
+# head dim 256 (Gemma): 16-bit prefill tiles of 64 keys spill up to 1.8 KB on sm_80 at 255
+# registers, and fp32 tiles 15-21 KB on every GPU. 16-bit prefill: 32-key tiles on 8 warps;
+# fp32: 16 x 16 tiles on 4 warps (on 8 they spill 12 B on sm_80 or sm_90)
+WIDEST_HEAD = 256
+WIDEST_BLOCK_N = 32  # 16-bit prefill
+WIDEST_BLOCK_FP32 = 16  # fp32: rows and keys per tile, decode and prefill
 # software-pipelined key/value tiles in flight: Triton's default. Shared memory grows with it
 # (stages x (k + v tiles)): `kvserve bench gpu-compile` checks every tile shape against each
 # GPU's per-block limit
@@ -76,8 +82,12 @@ class Tiles:
 
 def decode_tiles(group: int, head_dim_p: int, fp32: bool) -> Tiles:
     """A decode program: one token, its GQA group's heads as rows (tl.dot's minimum of 16)."""
+    block_m = max(16, triton.next_power_of_2(group))
+    if fp32 and head_dim_p >= WIDEST_HEAD:
+        return Tiles(block_m=block_m, block_q=1, block_n=WIDEST_BLOCK_FP32,
+                     num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     narrow = fp32 and head_dim_p <= 64
-    return Tiles(block_m=max(16, triton.next_power_of_2(group)), block_q=1,
+    return Tiles(block_m=block_m, block_q=1,
                  block_n=DECODE_BLOCK_N_FP32_NARROW if narrow else DECODE_BLOCK_N,
                  num_warps=NUM_WARPS, num_stages=NUM_STAGES)
 
@@ -86,12 +96,17 @@ def prefill_tiles(group: int, head_dim_p: int, fp32: bool) -> Tiles:
     """A prefill program: PREFILL_BLOCK_M rows, as many tokens as fill them with the group;
     smaller tiles for fp32 models, more warps for wide 16-bit heads (each so that no GPU's
     compile spills registers)."""
+    widest = head_dim_p >= WIDEST_HEAD
     if fp32:
-        block_m = max(PREFILL_BLOCK_M_FP32, triton.next_power_of_2(group))
-        return Tiles(block_m=block_m, block_q=block_m // group, block_n=PREFILL_BLOCK_N_FP32,
-                     num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        rows = WIDEST_BLOCK_FP32 if widest else PREFILL_BLOCK_M_FP32
+        block_m = max(rows, triton.next_power_of_2(group))
+        return Tiles(block_m=block_m, block_q=block_m // group,
+                     block_n=WIDEST_BLOCK_FP32 if widest else PREFILL_BLOCK_N_FP32,
+                     num_warps=NUM_WARPS,
+                     num_stages=NUM_STAGES)
     block_m = max(PREFILL_BLOCK_M, triton.next_power_of_2(group))
-    return Tiles(block_m=block_m, block_q=block_m // group, block_n=PREFILL_BLOCK_N,
+    return Tiles(block_m=block_m, block_q=block_m // group,
+                 block_n=WIDEST_BLOCK_N if widest else PREFILL_BLOCK_N,
                  num_warps=WIDE_HEAD_WARPS if head_dim_p >= 128 else NUM_WARPS,
                  num_stages=NUM_STAGES)
 
