@@ -372,7 +372,7 @@ def test_block_accounting_under_random_traffic_with_a_sliding_window(
     run_state_machine_as_test(
         lambda: EngineMachine(make_engine(NUM_BLOCKS, windowed, **SPECULATION), stats),
         settings=settings(
-            max_examples=25, stateful_step_count=25, deadline=None,
+            max_examples=15, stateful_step_count=25, deadline=None,
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
         ),
     )

@@ -25,11 +25,56 @@ from kvserve.workers.model_executor.model import Linear
 from kvserve.workers.model_executor.tiny import tiny_checkpoint
 
 
+@pytest.fixture(scope="module", params=["avx512", "avx2"])
+def kernels(cpu_kernels, request):
+    """The kernels with `linear` and `linear_codes` on one instruction set: each test runs on
+    both where the CPU has both (AVX-512 CPUs have AVX2), on AVX2 alone on an AVX2-only CPU."""
+    try:
+        cpu_kernels.set_linear_isa(request.param)
+    except RuntimeError:
+        pytest.skip(f"linear on {request.param}: not built, or not on this CPU")
+    assert cpu_kernels.linear_available() and cpu_kernels.linear_isa() == request.param
+    yield cpu_kernels
+    cpu_kernels.set_linear_isa("")  # the best this CPU has
+
+
 @pytest.fixture(scope="module")
-def kernels(cpu_kernels):
+def best_kernels(cpu_kernels):
+    """The kernels on the best instruction set this CPU has, for the tests of whole models
+    (the kernel tests above and below run on each: their outputs are the same bits)."""
     if not cpu_kernels.linear_available():
-        pytest.skip("linear needs AVX-512")
+        pytest.skip("linear needs AVX2 + FMA or AVX-512")
     return cpu_kernels
+
+
+def test_avx2_and_avx512_give_the_same_bits(cpu_kernels):
+    """The two instruction sets run every output's chain of fused multiply-adds in the same
+    order, lane by lane: linear and linear_codes give the same bits on either, at every row
+    count (each tile shape of both). Negative control: another summation order (F.linear)
+    does not."""
+    try:
+        cpu_kernels.set_linear_isa("avx512")
+    except RuntimeError:
+        pytest.skip("needs a CPU with AVX-512 (and so AVX2) to compare the two")
+    gen = torch.Generator().manual_seed(5)
+    w = q4_1(torch.randn(130, 1536, generator=gen))
+    b = torch.randn(130, generator=gen)
+    dense, codes = cpu_kernels.pack_linear_weight(w), cpu_kernels.pack_linear_weight_codes(w)
+    try:
+        for rows in (1, 2, 3, 4, 5, 8, 9, 33):
+            x = torch.randn(rows, 1536, generator=gen)
+            got = {}
+            for isa in ("avx512", "avx2"):
+                cpu_kernels.set_linear_isa(isa)
+                got[isa] = (cpu_kernels.linear(x, dense, 130, b),
+                            cpu_kernels.linear_codes(x, codes, 130, b))
+            for a, c in zip(got["avx512"], got["avx2"], strict=True):
+                assert torch.equal(a.view(torch.int32), c.view(torch.int32)), rows
+            assert not torch.equal(got["avx2"][0], F.linear(x, w, b)), rows
+    finally:
+        cpu_kernels.set_linear_isa("")
+    with pytest.raises(RuntimeError, match="avx512, avx2"):
+        cpu_kernels.set_linear_isa("sse2")
 
 
 @pytest.mark.parametrize(("n", "k"), [(48, 64), (50, 7), (960, 576), (130, 1536)])
@@ -166,16 +211,18 @@ def test_bf16_decode_layer_is_bit_identical_to_the_python_layers(bf16_kernels, m
         assert torch.equal(fk, k) and torch.equal(fv, v), "the same K/V written to the cache"
 
 
-def test_decode_layer_only_where_the_cpu_backend_covers_the_shapes(kernels):
-    uncovered = build_model(tiny_checkpoint(), torch.device("cpu"), torch.float32, kernels)
+def test_decode_layer_only_where_the_cpu_backend_covers_the_shapes(best_kernels):
+    cpu = torch.device("cpu")
+    uncovered = build_model(tiny_checkpoint(), cpu, torch.float32, best_kernels)
     assert uncovered.decode_kernels is None  # head_dim 16
-    covered = build_model(tiny_checkpoint(**COVERED), torch.device("cpu"), torch.float32, kernels)
-    assert covered.lm_head.kernel is kernels.linear
+    covered = build_model(tiny_checkpoint(**COVERED), cpu, torch.float32, best_kernels)
+    assert covered.lm_head.kernel is best_kernels.linear
     assert covered.lm_head.weight.data_ptr() != covered.embed_tokens.weight.data_ptr()
 
 
-def test_a_decode_step_reads_every_weight_once_and_no_embedding(kernels):
-    model = build_model(tiny_checkpoint(**COVERED), torch.device("cpu"), torch.float32, kernels)
+def test_a_decode_step_reads_every_weight_once_and_no_embedding(best_kernels):
+    model = build_model(tiny_checkpoint(**COVERED), torch.device("cpu"), torch.float32,
+                        best_kernels)
     ids = {id(t) for t in decode_step_weights(model)}
     assert id(model.embed_tokens.weight) not in ids
     assert id(model.lm_head.weight) in ids  # tied, but packed into its own copy
@@ -292,7 +339,7 @@ def test_a_block_coded_model_reads_codes_and_computes_what_fp32_panels_do(kernel
 
 
 @pytest.mark.parametrize("weight_codes", [True, False])
-def test_a_draft_model_packs_as_its_engines_weight_codes_say(kernels, weight_codes):
+def test_a_draft_model_packs_as_its_engines_weight_codes_say(best_kernels, weight_codes):
     """The draft model of `speculative_method="draft_model"` follows `weight_codes` as the
     target does: block codes when on, fp32 panels when off."""
     from kvserve.workers.config import EngineConfig
@@ -303,32 +350,32 @@ def test_a_draft_model_packs_as_its_engines_weight_codes_say(kernels, weight_cod
     engine = LLMEngine(EngineConfig(device="cpu", kv_cache_memory=4 * 1024**2,
                                     speculative_method="draft_model", weight_codes=weight_codes),
                        checkpoint=target, draft_checkpoint=draft)
-    expected = kernels.linear_codes if weight_codes else kernels.linear
+    expected = best_kernels.linear_codes if weight_codes else best_kernels.linear
     for model in (engine.model, engine.proposer.runner.model):
         assert all(m.kernel is expected for m in model.modules() if isinstance(m, Linear))
     assert engine.proposer.runner.model is not engine.model
 
 
-def test_smollm2s_gguf_weights_all_pack_as_block_codes(kernels, real_checkpoint):
+def test_smollm2s_gguf_weights_all_pack_as_block_codes(best_kernels, real_checkpoint):
     """The default model's GGUF holds Q4_1 matrices and a Q8_0 embedding: every one packs to
     codes (115 MB a decode step reads instead of 538)."""
     formats = {}
     for name, t in real_checkpoint.tensors.items():
         if t.dim() == 2:
-            codes = kernels.pack_linear_weight_codes(t.float())
+            codes = best_kernels.pack_linear_weight_codes(t.float())
             formats[name] = None if codes is None else codes.shape[-1]
     assert formats["model.embed_tokens.weight"] == CODE_BYTES["q8_0"]
     others = {v for name, v in formats.items() if name != "model.embed_tokens.weight"}
     assert others == {CODE_BYTES["q4_1"]} and len(formats) == 211
 
 
-def test_the_step_bench_times_both_packings_of_the_models_weights(kernels, real_checkpoint,
+def test_the_step_bench_times_both_packings_of_the_models_weights(best_kernels, real_checkpoint,
                                                                    capsys):
     """`python -m kvserve.bench.linear --step`: both packings' sizes, a time for each row count
     and their ratio, the outputs checked equal first (it asserts that)."""
     from kvserve.bench.linear import step_weights_bench
 
-    ratios = step_weights_bench(kernels, [1, 9], 0.01, real_checkpoint.tensors)
+    ratios = step_weights_bench(best_kernels, [1, 9], 0.01, real_checkpoint.tensors)
     assert set(ratios) == {1, 9} and all(r > 0 for r in ratios.values())
     out = capsys.readouterr().out
     assert "fp32 panels: 538 MB" in out and "block codes: 115 MB" in out

@@ -1,12 +1,13 @@
 """GFLOP/s of the CPU projection paths on SmolLM2-135M's shapes, to choose between them.
 
     python -m kvserve.bench.linear [--rows 1 8 32 128 512] [--seconds 0.3] [--threads 1]
-    python -m kvserve.bench.linear --step [--rows ...]
+    python -m kvserve.bench.linear --step [--rows ...] [--isa avx2]
 
 `--step`: every projection of one step over the default model's own weights, as a decode step
 runs them (each weight once, 538 MB of fp32 panels: no cache holds them), fp32 panels (`linear`)
 against the GGUF's block codes (`linear_codes`, 115 MB), with the outputs checked equal bit for
-bit.
+bit. `--isa avx2` runs kvserve's fp32 kernels on AVX2 + FMA where the CPU also has AVX-512
+(the path an AVX2-only CPU takes; the same bits).
 
 Per shape (in -> out) and row count: kvserve's bf16 kernel (`linear_bf16`), oneDNN prepacked bf16
 (what `Linear.pack_for_onednn` runs), F.linear bf16 and kvserve's fp32 kernel (`linear`), with the
@@ -115,6 +116,9 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--seconds", type=float, default=0.3, help="timing budget per cell")
     parser.add_argument("--threads", type=int, default=0, help="intra-op threads (0: torch's)")
+    parser.add_argument("--isa", choices=["avx512", "avx2"], default=None,
+                        help="the instruction set of kvserve's fp32 kernels (default: the "
+                             "best this CPU has)")
     parser.add_argument("--step", action="store_true",
                         help="one step's projections over the default model's own weights: "
                              "fp32 panels against the GGUF's block codes")
@@ -124,9 +128,13 @@ def main() -> None:
     print(cpu_features())
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads\n")
     kernels = load_cpu_kernels()
+    if args.isa and kernels is not None:
+        kernels.set_linear_isa(args.isa)
+    if kernels is not None and linear_available_for(kernels, torch.float32):
+        print(f"kvserve's fp32 kernels on {kernels.linear_isa()}\n")
     if args.step:
         if not linear_available_for(kernels, torch.float32):
-            raise SystemExit("--step needs kvserve's fp32 kernels (an AVX-512 build)")
+            raise SystemExit("--step needs kvserve's fp32 kernels (an AVX2 or AVX-512 build)")
         with torch.inference_mode():
             step_weights_bench(kernels, args.rows, args.seconds)
         return

@@ -3,7 +3,9 @@ prepare`
 (or else at the first engine start on the machine).
 
 - `linear` (`pack_linear_weight`): every projection, batch-invariant, weights in 48-output
-  panels (AVX-512 builds only; `linear_available()` says; otherwise oneDNN runs them).
+  panels, on AVX-512 or AVX2 + FMA, chosen at run time with the same bits on either
+  (`linear_isa()` says which; `set_linear_isa` forces one, for tests; with neither oneDNN runs
+  them).
 - `linear_codes` (`pack_linear_weight_codes`): `linear`'s output bit for bit from a GGUF
   checkpoint's block codes (Q4_1: 0.75 bytes a weight, Q8_0: 1.125) instead of fp32 panels, kept
   only where every weight decodes back exactly; batch-1 decode reads a fifth of the bytes.
@@ -115,7 +117,8 @@ def load_cpu_kernels(build_root: Path | None = None) -> CpuKernels | None:
 
 def linear_available_for(kernels: CpuKernels | None, dtype: torch.dtype) -> bool:
     """Whether `kernels` has a batch-invariant projection for weights and activations of `dtype`:
-    fp32 `linear` or bf16 `linear_bf16` (both need AVX-512; other dtypes have none)."""
+    fp32 `linear` (AVX2 + FMA or AVX-512) or bf16 `linear_bf16` (AVX-512); other dtypes have
+    none."""
     if kernels is None:
         return False
     if dtype == torch.float32:

@@ -70,11 +70,12 @@ PACK_ROWS = 32
 class Linear(nn.Linear):
     """nn.Linear that runs, on CPU, kvserve's own kernel or oneDNN, its weight prepacked.
 
-    With kvserve's CPU kernels (fp32, AVX-512) the weight is packed into 48-output panels and
-    `kernels.linear` computes each output as one multiply-add chain over the inputs in order, so
-    a row's numbers are the same at every batch size; at one row it is a single sequential read of
-    the weights, which is what bounds batch-1 decode (measured on SmolLM2's shapes against
-    prepacked oneDNN: 1.1-3x faster at 1 row, 1.04-1.3x at 32 rows, equal at 256).
+    With kvserve's CPU kernels (fp32, AVX-512 or AVX2) the weight is packed into 48-output
+    panels and `kernels.linear` computes each output as one multiply-add chain over the inputs
+    in order, so a row's numbers are the same at every batch size; at one row it is a single
+    sequential read of the weights, which is what bounds batch-1 decode (measured on SmolLM2's
+    shapes against prepacked oneDNN: 1.1-3x faster at 1 row, 1.04-1.3x at 32 rows, equal at
+    256).
 
     Otherwise prepacked oneDNN: it beats F.linear's MKL path at every batch size we step with on
     this CPU (~2x at 1 row, ~2.2x at 32, ~1.25x at 512), and each row's output is bit-identical at
@@ -475,9 +476,9 @@ class CausalLM(nn.Module):
 
     def use_cpu_kernels(self, kernels: CpuKernels, weight_codes: bool = True) -> None:
         """CPU only, fp32 and bf16 (bf16 needs an AVX-512 build): norms, RoPE, the MLP
-        activation and (with AVX-512) the projections in kvserve's C++ kernels; where the `cpu`
-        attention backend covers the shapes, decode-only steps run a layer per call. bf16's
-        elementwise kernels round where transformers' bf16 ops do (bit-identical to them); its
+        activation and (with AVX2 or AVX-512) the projections in kvserve's C++ kernels; where
+        the `cpu` attention backend covers the shapes, decode-only steps run a layer per call.
+        bf16's elementwise kernels round where transformers' bf16 ops do (bit-identical); its
         projections are `linear_bf16` (batch-invariant; oneDNN's bf16 GEMV is 2-3x slower at one
         row). A tied lm_head gets its own packed copy, as with oneDNN."""
         dtype = self.lm_head.weight.dtype

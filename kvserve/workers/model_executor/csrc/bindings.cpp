@@ -16,8 +16,12 @@ TORCH_LIBRARY(kvserve, m) {
   m.def("silu_and_mul", &silu_and_mul);
   // rotate the first `heads` heads of x [tokens, heads, D] in place, fp32 or bf16
   m.def("rotary_", &rotary_);
-  // whether `linear` was built (needs AVX-512)
+  // whether `linear` was built (needs AVX2 + FMA, or AVX-512)
   m.def("linear_available", &linear_available);
+  // which instruction set linear and linear_codes run ("avx512", "avx2", ""), and forcing one
+  // where both are built (tests)
+  m.def("linear_isa", &linear_isa);
+  m.def("set_linear_isa", &set_linear_isa);
   // W [N, K] -> panels [ceil(N/48), K, 48]
   m.def("pack_linear_weight", &pack_linear_weight);
   // h [seqs, hidden] -> h after a decoder layer (decodes), fp32 or bf16

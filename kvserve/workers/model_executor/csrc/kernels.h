@@ -5,6 +5,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 
+#include <string>
 #include <vector>
 
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -14,6 +15,8 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
 void rotary_(at::Tensor& x, int64_t heads, const at::Tensor& cos, const at::Tensor& sin);
 bool linear_available();
+std::string linear_isa();
+void set_linear_isa(const std::string& isa);
 at::Tensor pack_linear_weight(const at::Tensor& w);
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
                   const c10::optional<at::Tensor>& bias);

@@ -8,17 +8,50 @@
 #include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 
+#include <string>
+
 #include "linear_tile.h"
 
+using linear_tile::Isa;
 using linear_tile::kNR;
 
-bool linear_available() {
-#ifdef __AVX512F__
-  return true;
-#else
-  return false;
-#endif
+bool linear_available() { return linear_tile::linear_isa() != Isa::kNone; }
+
+// The instruction set `linear` and `linear_codes` run: "avx512", "avx2" or "" (neither)
+std::string linear_isa() {
+  switch (linear_tile::linear_isa()) {
+    case Isa::kAvx512: return "avx512";
+    case Isa::kAvx2: return "avx2";
+    default: return "";
+  }
 }
+
+// Tests: run `isa` ("avx512", "avx2"; "" for the best this build and CPU have) where both are
+// built, so that a CPU with both tests both; refuses one not built or not on this CPU
+void set_linear_isa(const std::string& isa) {
+  const Isa wanted = isa == "avx512" ? Isa::kAvx512 : isa == "avx2" ? Isa::kAvx2 : Isa::kNone;
+  TORCH_CHECK(isa.empty() || wanted != Isa::kNone, "set_linear_isa: avx512, avx2 or \"\"");
+  TORCH_CHECK(linear_tile::built_with(wanted) && linear_tile::cpu_has(wanted), "set_linear_isa: ",
+              isa, " is not built or not on this CPU");
+  linear_tile::forced_isa() = wanted;
+}
+
+namespace {
+
+template <typename I>
+void linear_with(const float* xp, int64_t ldx, int64_t rows, int64_t K, const float* wp,
+                 int64_t panels, float* op, int64_t n, const float* b) {
+  // panels split over threads; each panel stays in cache while every row tile reads it
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t n0 = p * kNR;
+      linear_tile::panel_times_rows<I>(xp, ldx, rows, wp + p * K * kNR, K, op, n, n0,
+                                       std::min(kNR, n - n0), b);
+    }
+  });
+}
+
+}  // namespace
 
 // w: [N, K] -> panels [ceil(N / 48), K, 48], zero-padded past N. One pass: each panel is
 // written while it sits in cache, from 48 rows read 16 columns (a cache line) at a time, so an
@@ -53,7 +86,8 @@ at::Tensor pack_linear_weight(const at::Tensor& w_in) {
 // x: [rows, K] (dense last dim), packed: [panels, K, 48] -> [rows, n]
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
                   const c10::optional<at::Tensor>& bias) {
-#ifdef __AVX512F__
+  const Isa isa = linear_tile::linear_isa();
+  TORCH_CHECK(isa != Isa::kNone, "linear: built without AVX2 or AVX-512");
   const float* b = linear_tile::checked_inputs(x, bias, n, "linear");
   const int64_t rows = x.size(0), K = x.size(1), panels = packed.size(0);
   TORCH_CHECK(packed.is_contiguous() && packed.dim() == 3 && packed.size(1) == K &&
@@ -66,16 +100,14 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
   const float* wp = packed.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t ldx = x.stride(0);
-  // panels split over threads; each panel stays in cache while every row tile reads it
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      const int64_t n0 = p * kNR;
-      linear_tile::panel_times_rows(xp, ldx, rows, wp + p * K * kNR, K, op, n, n0,
-                                    std::min(kNR, n - n0), b);
-    }
-  });
-  return out;
-#else
-  TORCH_CHECK(false, "linear: built without AVX-512");
+#ifdef __AVX512F__
+  if (isa == Isa::kAvx512) {
+    linear_with<linear_tile::Avx512>(xp, ldx, rows, K, wp, panels, op, n, b);
+    return out;
+  }
 #endif
+#ifdef KVSERVE_LINEAR_AVX2
+  linear_with<linear_tile::Avx2>(xp, ldx, rows, K, wp, panels, op, n, b);
+#endif
+  return out;
 }

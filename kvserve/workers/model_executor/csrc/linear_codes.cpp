@@ -25,7 +25,7 @@
 
 #include "linear_tile.h"
 
-using linear_tile::kMR;
+using linear_tile::Isa;
 using linear_tile::kNR;
 
 namespace {
@@ -37,6 +37,8 @@ constexpr int64_t kBlock = 32;  // inputs per code block (GGUF's QK4_1 and QK8_0
 constexpr int64_t kHeader = 2 * kNR * 4;
 constexpr int64_t kBytes4 = kHeader + kBlock / 2 * kNR;
 constexpr int64_t kBytes8 = kHeader + kBlock * kNR;
+template <typename I>
+constexpr int64_t kLanes = kNR / I::kJ;  // floats per vector
 
 uint32_t bits(float x) {
   uint32_t b;
@@ -172,7 +174,7 @@ at::Tensor pack_with(const float* w, int64_t N, int64_t K, int code_bits) {
   return fits ? packed : at::Tensor();
 }
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(KVSERVE_LINEAR_AVX2)
 
 // This thread's buffer for a decoded panel, 64-byte aligned as the tiles' loads need. Kept
 // across calls: a fresh one per call (~300 KB, past malloc's mmap threshold) cost a page fault
@@ -184,50 +186,47 @@ float* panel_buffer(int64_t floats) {
       (reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~static_cast<uintptr_t>(63));
 }
 
-// A block's scales and offsets for its 48 outputs, three vectors each
+// A block's scales and offsets for its 48 outputs, I::kJ vectors each
+template <typename I>
 struct BlockScales {
-  __m512 d[3], m[3];
+  typename I::V d[I::kJ], m[I::kJ];
   explicit BlockScales(const uint8_t* block) {
     const float* dp = reinterpret_cast<const float*>(block);
-    for (int j = 0; j < 3; ++j) {
-      d[j] = _mm512_loadu_ps(dp + 16 * j);
-      m[j] = _mm512_loadu_ps(dp + kNR + 16 * j);
+    for (int j = 0; j < I::kJ; ++j) {
+      d[j] = I::loadu(dp + kLanes<I> * j);
+      m[j] = I::loadu(dp + kNR + kLanes<I> * j);
     }
   }
 };
 
-// 16 weights from their codes: fma(d, q, m), the one decode every path runs
-inline __m512 decode16(__m512 d, __m512i q, __m512 m) {
-  return _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(q), m);
-}
-
-inline __m128i load16(const uint8_t* c) {
-  return _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));
+// a vector's worth of weights from their codes: fma(d, q, m), the one decode every path runs
+template <typename I>
+inline typename I::V decode(typename I::V d, typename I::VI q, typename I::V m) {
+  return I::fmadd(d, I::to_float(q), m);
 }
 
 // Calls f(k, w) for each input k of a block in order, w its 48 decoded weights (4-bit: each
 // pair of inputs' codes read once)
-template <typename F>
+template <typename I, typename F>
 inline void for_each_input(const uint8_t* block, int64_t bytes, F&& f) {
-  const BlockScales s(block);
+  const BlockScales<I> s(block);
   const uint8_t* codes = block + kHeader;
-  __m512 w[3];
+  typename I::V w[I::kJ];
   if (bytes == kBytes4) {
-    const __m512i low4 = _mm512_set1_epi32(0xF);
     for (int64_t i = 0; i < kBlock / 2; ++i, codes += kNR) {
-      __m512i c[3];
-      for (int j = 0; j < 3; ++j) {
-        c[j] = _mm512_cvtepu8_epi32(load16(codes + 16 * j));
-        w[j] = decode16(s.d[j], _mm512_and_si512(c[j], low4), s.m[j]);
+      typename I::VI c[I::kJ];
+      for (int j = 0; j < I::kJ; ++j) {
+        c[j] = I::codes_u8(codes + kLanes<I> * j);
+        w[j] = decode<I>(s.d[j], I::low4(c[j]), s.m[j]);
       }
       f(2 * i, w);
-      for (int j = 0; j < 3; ++j) w[j] = decode16(s.d[j], _mm512_srli_epi32(c[j], 4), s.m[j]);
+      for (int j = 0; j < I::kJ; ++j) w[j] = decode<I>(s.d[j], I::high4(c[j]), s.m[j]);
       f(2 * i + 1, w);
     }
   } else {
     for (int64_t k = 0; k < kBlock; ++k, codes += kNR) {
-      for (int j = 0; j < 3; ++j)
-        w[j] = decode16(s.d[j], _mm512_cvtepi8_epi32(load16(codes + 16 * j)), s.m[j]);
+      for (int j = 0; j < I::kJ; ++j)
+        w[j] = decode<I>(s.d[j], I::codes_i8(codes + kLanes<I> * j), s.m[j]);
       f(k, w);
     }
   }
@@ -235,53 +234,81 @@ inline void for_each_input(const uint8_t* block, int64_t bytes, F&& f) {
 
 // One block's fp32 weights [32, 48] (what pack_linear_weight would have written for its 32
 // inputs), in the order they lie in memory
+template <typename I>
 void decode_block(const uint8_t* block, int64_t bytes, float* out) {
-  for_each_input(block, bytes, [out](int64_t k, const __m512 (&w)[3]) {
-    for (int j = 0; j < 3; ++j) _mm512_store_ps(out + k * kNR + 16 * j, w[j]);
+  for_each_input<I>(block, bytes, [out](int64_t k, const typename I::V (&w)[I::kJ]) {
+    for (int j = 0; j < I::kJ; ++j) I::store(out + k * kNR + kLanes<I> * j, w[j]);
   });
 }
 
-// `linear_tile::tile` for one tile of MR <= 8 rows, its panel read as blocks: each block is
-// decoded into `buffer` [32, 48] (it stays in L1) and multiplied in while the accumulators stay
-// in registers, so a few rows (decode steps) never write the whole decoded panel out to L2 and
-// read it back. The same multiply-adds in the same order, and the same epilogue, as `tile`.
-template <int MR>
+// `linear_tile::tile` for one tile of MR <= I::kMR rows, its panel read as blocks: each block
+// is decoded into `buffer` [32, 48] (it stays in L1) and multiplied in while the accumulators
+// stay in registers, so a few rows (decode steps) never write the whole decoded panel out to L2
+// and read it back. The same multiply-adds in the same order, and the same epilogue, as `tile`.
+template <typename I, int MR>
 void tile_blocks(const float* x, int64_t ldx, const uint8_t* blocks, int64_t nblocks,
                  int64_t bytes, float* buffer, float* out, int64_t ldo, int64_t n_valid,
                  const float* bias) {
-  __m512 acc[MR][3];
-  linear_tile::zero(acc);
+  typename I::V acc[MR][I::kJ];
+  linear_tile::zero<I, MR>(acc);
   for (int64_t b = 0; b < nblocks; ++b) {
-    decode_block(blocks + b * bytes, bytes, buffer);
-    linear_tile::multiply_add(acc, x + b * kBlock, ldx, buffer, kBlock);
+    decode_block<I>(blocks + b * bytes, bytes, buffer);
+    linear_tile::multiply_add<I, MR>(acc, x + b * kBlock, ldx, buffer, kBlock);
   }
-  linear_tile::store(acc, out, ldo, n_valid, bias);
+  linear_tile::store<I, MR>(acc, out, ldo, n_valid, bias);
 }
 
-// `tile_blocks` for up to 4 rows without the buffer: each 16 weights are decoded in a register
-// and multiplied in at once (4 rows x 3 accumulators, the scales, offsets and codes fit the 32
-// registers). The same multiply-adds in the same order.
-template <int MR>
+// `tile_blocks` for up to I::kRegRows rows without the buffer: each vector of weights is
+// decoded in a register and multiplied in at once (AVX-512: 4 rows x 3 accumulators, the
+// scales, offsets and codes fit its 32 registers). The same multiply-adds in the same order.
+template <typename I, int MR>
 void tile_registers(const float* x, int64_t ldx, const uint8_t* blocks, int64_t nblocks,
                     int64_t bytes, float* /*buffer*/, float* out, int64_t ldo, int64_t n_valid,
                     const float* bias) {
-  static_assert(MR <= 4, "4 rows of accumulators at most");
-  __m512 acc[MR][3];
-  linear_tile::zero(acc);
+  typename I::V acc[MR][I::kJ];
+  linear_tile::zero<I, MR>(acc);
   for (int64_t b = 0; b < nblocks; ++b) {
     const float* xb = x + b * kBlock;
-    for_each_input(blocks + b * bytes, bytes, [&](int64_t k, const __m512 (&w)[3]) {
-      linear_tile::multiply_add_input(acc, xb, ldx, k, w);
-    });
+    for_each_input<I>(blocks + b * bytes, bytes,
+                      [&](int64_t k, const typename I::V (&w)[I::kJ]) {
+                        linear_tile::multiply_add_input<I, MR>(acc, xb, ldx, k, w);
+                      });
   }
-  linear_tile::store(acc, out, ldo, n_valid, bias);
+  linear_tile::store<I, MR>(acc, out, ldo, n_valid, bias);
 }
 
 using BlockTileFn = void (*)(const float*, int64_t, const uint8_t*, int64_t, int64_t, float*,
                              float*, int64_t, int64_t, const float*);
-constexpr BlockTileFn kBlockTiles[kMR + 1] = {
-    nullptr, tile_registers<1>, tile_registers<2>, tile_registers<3>, tile_registers<4>,
-    tile_blocks<5>, tile_blocks<6>, tile_blocks<7>, tile_blocks<8>};
+
+// tile_registers for 1..I::kRegRows rows, tile_blocks past them, up to I::kMR
+template <typename I, int... MR>
+constexpr auto block_tiles(std::integer_sequence<int, MR...>) {
+  return std::array<BlockTileFn, sizeof...(MR) + 1>{
+      nullptr, (MR + 1 <= I::kRegRows ? tile_registers<I, (MR + 1 <= I::kRegRows ? MR + 1 : 1)>
+                                      : tile_blocks<I, MR + 1>)...};
+}
+
+template <typename I>
+void linear_codes_with(const float* xp, int64_t ldx, int64_t rows, int64_t K, const uint8_t* cp,
+                       int64_t panels, int64_t blocks, int64_t bytes, float* op, int64_t n,
+                       const float* b) {
+  static constexpr auto kBlockTiles = block_tiles<I>(std::make_integer_sequence<int, I::kMR>{});
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    float* panel = panel_buffer(K * kNR);
+    for (int64_t p = begin; p < end; ++p) {
+      const uint8_t* codes = cp + p * blocks * bytes;
+      const int64_t n0 = p * kNR, n_valid = std::min(kNR, n - n0);
+      if (rows <= I::kMR) {  // one tile: decode block by block, in L1
+        kBlockTiles[rows](xp, ldx, codes, blocks, bytes, panel, op + n0, n, n_valid,
+                          b ? b + n0 : nullptr);
+        continue;
+      }
+      for (int64_t blk = 0; blk < blocks; ++blk)  // many tiles: decode the panel once, in L2
+        decode_block<I>(codes + blk * bytes, bytes, panel + blk * kBlock * kNR);
+      linear_tile::panel_times_rows<I>(xp, ldx, rows, panel, K, op, n, n0, n_valid, b);
+    }
+  });
+}
 
 #endif
 
@@ -305,7 +332,8 @@ at::Tensor pack_linear_weight_codes(const at::Tensor& w_in) {
 // linear(x, pack_linear_weight(w), n, bias) bit for bit
 at::Tensor linear_codes(const at::Tensor& x, const at::Tensor& packed, int64_t n,
                         const c10::optional<at::Tensor>& bias) {
-#ifdef __AVX512F__
+  const Isa isa = linear_tile::linear_isa();
+  TORCH_CHECK(isa != Isa::kNone, "linear_codes: built without AVX2 or AVX-512");
   const float* b = linear_tile::checked_inputs(x, bias, n, "linear_codes");
   const int64_t rows = x.size(0), K = x.size(1), panels = packed.size(0);
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 3 &&
@@ -319,23 +347,14 @@ at::Tensor linear_codes(const at::Tensor& x, const at::Tensor& packed, int64_t n
   const uint8_t* cp = packed.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   const int64_t ldx = x.stride(0), blocks = packed.size(1), bytes = packed.size(2);
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    float* panel = panel_buffer(K * kNR);
-    for (int64_t p = begin; p < end; ++p) {
-      const uint8_t* codes = cp + p * blocks * bytes;
-      const int64_t n0 = p * kNR, n_valid = std::min(kNR, n - n0);
-      if (rows <= kMR) {  // one tile: decode block by block, in L1
-        kBlockTiles[rows](xp, ldx, codes, blocks, bytes, panel, op + n0, n, n_valid,
-                          b ? b + n0 : nullptr);
-        continue;
-      }
-      for (int64_t blk = 0; blk < blocks; ++blk)  // many tiles: decode the panel once, in L2
-        decode_block(codes + blk * bytes, bytes, panel + blk * kBlock * kNR);
-      linear_tile::panel_times_rows(xp, ldx, rows, panel, K, op, n, n0, n_valid, b);
-    }
-  });
-  return out;
-#else
-  TORCH_CHECK(false, "linear_codes: built without AVX-512");
+#ifdef __AVX512F__
+  if (isa == Isa::kAvx512) {
+    linear_codes_with<linear_tile::Avx512>(xp, ldx, rows, K, cp, panels, blocks, bytes, op, n, b);
+    return out;
+  }
 #endif
+#ifdef KVSERVE_LINEAR_AVX2
+  linear_codes_with<linear_tile::Avx2>(xp, ldx, rows, K, cp, panels, blocks, bytes, op, n, b);
+#endif
+  return out;
 }
