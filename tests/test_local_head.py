@@ -137,6 +137,21 @@ def test_free_port_never_hands_out_one_of_rays_default_ports(monkeypatch):
     assert local_head.free_port() == 40001
 
 
+def test_free_port_is_below_the_kernels_ephemeral_range_and_free():
+    """The kernel hands ports of its ephemeral range to connections and binds to port 0 at
+    any moment: a port drawn below it stays free until its user binds it, unless that user
+    is another explicit bind. Each drawn port binds."""
+    low, high = local_head.ephemeral_ports()
+    assert 1024 < low < high
+    ports = [local_head.free_port() for _ in range(20)]
+    assert all(local_head.LOWEST_PORT <= p < low for p in ports), ports
+    assert len(set(ports)) > 1  # drawn, not one fixed port
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports[0]))
+
+
 def test_free_port_never_hands_out_a_port_already_taken(monkeypatch):
     """A port picked free and closed can be drawn again before its user binds it."""
     draws(monkeypatch, 40001, 40001, 40002)

@@ -23,6 +23,7 @@ import contextlib
 import json
 import math
 import os
+import random
 import secrets
 import shutil
 import signal
@@ -151,16 +152,42 @@ def disconnect_driver() -> None:
 # bind them after a caller picked its ports, so a port picked free may not stay free. The agent's
 # 52365 lies in Linux's ephemeral range: drawn for Serve's gRPC proxy, it would fail to bind.
 RAY_DEFAULT_PORTS = frozenset({6379, 8265, 10001, 52365})
+_RANDOM = random.SystemRandom()  # not the process's seeded `random`: two tests' draws differ
+
+
+# below: well-known services' (Redis 6379, Ray's dashboard 8265) and Ray's worker ports
+# (10002-19999, which `ray start` refuses to see given to anything else)
+LOWEST_PORT = 20000
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range for ports it picks itself (an outgoing connection's, a bind to port
+    0): Linux's ip_local_port_range, 32768-60999 by default."""
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        return 32768, 60999
+    return low, high
 
 
 def free_port(taken: set[int] | None = None) -> int:
     """A port free on loopback now, never one of Ray's own defaults nor one in `taken`: ports
     already handed out but not bound yet, which the kernel may draw again (the GCS could draw
-    the gRPC port the caller has picked). The port is added to `taken`."""
+    the gRPC port the caller has picked). The port is added to `taken`.
+
+    Drawn at random below the kernel's ephemeral range: a port picked free and not bound yet
+    is otherwise the kernel's to hand out, and the many connections Ray's processes and a
+    tensor-parallel replica's ranks open take ports from that range (one took a Serve gRPC
+    proxy's port in CI between the pick and the bind)."""
     taken = set() if taken is None else taken
+    low = ephemeral_ports()[0]
     while True:
         with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
+            try:
+                s.bind(("127.0.0.1",
+                        _RANDOM.randrange(LOWEST_PORT, low) if low > LOWEST_PORT + 1000 else 0))
+            except OSError:  # in use: another draw
+                continue
             port = s.getsockname()[1]
         if port not in RAY_DEFAULT_PORTS and port not in taken:
             taken.add(port)
