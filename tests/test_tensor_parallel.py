@@ -29,7 +29,7 @@ from kvserve.workers.model_executor.tiny import tiny_config
 from kvserve.workers.parallel import shard
 from kvserve.workers.parallel.group import RankFailed, TPGroup, join_store, open_store
 from tests.helpers import assert_engine_idle, noisy_checkpoint, output_ids, poll
-from tests.test_model_support import GEMMA2, GEMMA3
+from tests.test_model_support import GEMMA3
 
 # an engine at tp > 1 sets this process's torch threads (its share of the cores): each test
 # gets the worker's back
@@ -37,7 +37,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 # 8 heads and 4 KV heads: tp 2 and 4 both divide them
 TP_SHAPE = {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 16}
-FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "phi3", "gemma2", "gemma3_text")
+# Gemma 2's layer is Gemma 3's with soft-caps (per head, on each rank's heads): Gemma 3 alone
+FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "phi3", "gemma3_text")
 
 
 # -- sizes -----------------------------------------------------------------------------------
@@ -235,10 +236,9 @@ def _tiny_engine(ckpt: LoadedCheckpoint, tp: int, **config: Any) -> LLMEngine:
 @pytest.fixture(scope="module", params=FAMILIES)
 def family(request):
     # Mistral with a 32-token window, which the 37- and 70-token prompts pass: each rank's
-    # heads slide, and rank 0's block manager frees what the window left; Gemma 2 with its
-    # caps, local and global layers (tests/test_model_support.py)
-    extra = {"mistral": {"sliding_window": 32}, "gemma2": GEMMA2,
-             "gemma3_text": GEMMA3}.get(request.param, {})
+    # heads slide, and rank 0's block manager frees what the window left; Gemma 3 with its
+    # local and global layers and their RoPEs (tests/test_model_support.py)
+    extra = {"mistral": {"sliding_window": 32}, "gemma3_text": GEMMA3}.get(request.param, {})
     ckpt = noisy_checkpoint(request.param, **{**TP_SHAPE, **extra})
     engine = _tiny_engine(ckpt, 1)
     prompts = _prompts(ckpt.config.vocab_size)
@@ -250,7 +250,7 @@ def family(request):
 def test_greedy_at_tp_equals_tp1(family, tp):
     """Concurrent requests, prompts prefilled in 32-token chunks beside decodes."""
     name, ckpt, prompts, reference = family
-    if name in ("qwen3", "phi3", "gemma2", "gemma3_text") and tp == 4:
+    if name in ("qwen3", "phi3", "gemma3_text") and tp == 4:
         pytest.skip(f"{name} at tp 2 only: what it changes (q/k norms and Gemma's norms, "
                     f"whole on every rank; fused weights, split per rank as any size splits "
                     f"them; soft-caps and RoPE per layer type, per head) does not vary with "
