@@ -280,12 +280,16 @@ void tile_registers(const float* x, int64_t ldx, const uint8_t* blocks, int64_t 
 using BlockTileFn = void (*)(const float*, int64_t, const uint8_t*, int64_t, int64_t, float*,
                              float*, int64_t, int64_t, const float*);
 
-// tile_registers for 1..I::kRegRows rows, tile_blocks past them, up to I::kMR
+// the tile of MR rows: decoded in registers up to I::kRegRows rows, a block at a time past them
+template <typename I, int MR>
+constexpr BlockTileFn block_tile() {
+  if constexpr (MR <= I::kRegRows) return tile_registers<I, MR>;
+  else return tile_blocks<I, MR>;
+}
+
 template <typename I, int... MR>
 constexpr auto block_tiles(std::integer_sequence<int, MR...>) {
-  return std::array<BlockTileFn, sizeof...(MR) + 1>{
-      nullptr, (MR + 1 <= I::kRegRows ? tile_registers<I, (MR + 1 <= I::kRegRows ? MR + 1 : 1)>
-                                      : tile_blocks<I, MR + 1>)...};
+  return std::array<BlockTileFn, sizeof...(MR) + 1>{nullptr, block_tile<I, MR + 1>()...};
 }
 
 template <typename I>
