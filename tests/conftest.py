@@ -71,6 +71,20 @@ def cpu_kernels():
     return kernels
 
 
+@pytest.fixture(scope="module", params=["avx512", "avx2"])
+def isa_kernels(cpu_kernels, request):
+    """The kernels on one instruction set (`linear`, `linear_codes`, `linear_bf16` and the bf16
+    elementwise ops): each test runs on both where the CPU has both (AVX-512 CPUs have AVX2),
+    on AVX2 alone on an AVX2-only CPU."""
+    try:
+        cpu_kernels.set_linear_isa(request.param)
+    except RuntimeError:
+        pytest.skip(f"the kernels on {request.param}: not built, or not on this CPU")
+    assert cpu_kernels.linear_available() and cpu_kernels.linear_isa() == request.param
+    yield cpu_kernels
+    cpu_kernels.set_linear_isa("")  # the best this CPU has
+
+
 @pytest.fixture
 def one_torch_thread() -> Iterator[None]:
     """Tiny models on two shared cores: one intra-op thread is several times faster than two.

@@ -204,17 +204,17 @@ def test_rotary_in_place_equals_transformers_rotation(cpu_kernels, rows):
     assert torch.equal(qkv[:, heads + kv_heads :], v), "v must stay as it is"
 
 
-# bf16: the kernels round where transformers' bf16 ops round; on a CPU where torch runs its
-# AVX-512 kernels (the Sleef exp SiLU uses) they equal torch's bf16 ops bit for bit
+# bf16: the kernels round where transformers' bf16 ops round; where torch runs its AVX-512 or
+# AVX2 kernels (the Sleef exp SiLU uses) they equal torch's bf16 ops bit for bit, on either of
+# kvserve's instruction sets
 
 
 @pytest.fixture(scope="module")
-def bf16_elementwise(cpu_kernels):
-    if not elementwise_available_for(cpu_kernels, torch.bfloat16):
-        pytest.skip("the bf16 elementwise kernels need an AVX-512 build")
-    if torch.backends.cpu.get_cpu_capability() != "AVX512":
-        pytest.skip("bit-identical to torch where torch runs its AVX-512 kernels")
-    return cpu_kernels
+def bf16_elementwise(isa_kernels):
+    assert elementwise_available_for(isa_kernels, torch.bfloat16)
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AVX2"):
+        pytest.skip("bit-identical to torch where torch runs its AVX-512 or AVX2 kernels")
+    return isa_kernels
 
 
 @pytest.mark.parametrize("hidden", [576, 2048, 100, 17, 8])  # 100, 17: scalar tails of the sum
@@ -231,9 +231,11 @@ def test_bf16_rms_norm_is_the_torch_norm_bit_for_bit(bf16_elementwise, hidden, r
     assert got.dtype == torch.bfloat16 and torch.equal(got, expected)
 
 
-@pytest.mark.parametrize(("inter", "rows"), [(1536, 1), (1536, 40), (8192, 5), (100, 7)])
+@pytest.mark.parametrize(("inter", "rows"),
+                         [(1536, 1), (1536, 40), (8192, 5), (100, 7), (120, 9)])
 def test_bf16_silu_and_mul_is_torch_bit_for_bit(bf16_elementwise, inter, rows):
-    """bf16(bf16(silu(gate)) * up); inter 100: torch's scalar tail (std::exp) past 96."""
+    """bf16(bf16(silu(gate)) * up); inter 100: torch's scalar tail (std::exp) past 96; 120:
+    past 96 on torch's AVX-512 kernels (vectors of 32), past 112 on its AVX2 ones (16)."""
     gen = torch.Generator().manual_seed(inter + rows)
     gate_up = (torch.randn(rows + 3, 2 * inter, generator=gen) * 4).bfloat16()[:rows]
     gate, up = gate_up.split(inter, dim=-1)
@@ -266,8 +268,28 @@ def test_bf16_rotary_is_the_torch_rotation_bit_for_bit(bf16_elementwise, head_di
     assert torch.equal(qkv[:, heads + kv_heads :], v), "v must stay as it is"
 
 
+def test_bf16_elementwise_equal_torchs_avx2_kernels_too(tmp_path):
+    """Where torch runs its AVX-512 kernels, the bf16 tests above compare against those; run
+    them again with torch on its AVX2 kernels (ATEN_CPU_CAPABILITY, as on an AVX2-only CPU:
+    Sleef's 8-lane exp, SiLU vectorized in groups of 16), on both of kvserve's instruction
+    sets."""
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        pytest.skip("torch runs its AVX2 kernels here already: the tests above are this one")
+    import os
+    import subprocess
+
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+         "-o", f"cache_dir={tmp_path}", __file__, "-k", "bf16_rms or bf16_silu or bf16_rotary"],
+        env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = done.stdout.strip().splitlines()[-1]
+    assert "passed" in summary and "skipped" not in summary, summary
+
+
 def test_engine_uses_the_kernels_for_fp32_and_bf16_on_cpu(make_tiny_engine, cpu_kernels):
-    """fp32 and bf16 (AVX-512 builds) take the elementwise kernels and the `cpu` attention
+    """fp32 and bf16 (AVX2 or AVX-512) take the elementwise kernels and the `cpu` attention
     backend; fp16 takes none of the kernels."""
     fp32 = make_tiny_engine()
     assert fp32.model.layers[0].mlp.silu_and_mul is not None
@@ -375,24 +397,77 @@ def test_each_cpu_type_gets_its_own_build():
         assert "flags" in features and "model name" in features
 
 
-def test_bf16_on_a_cpu_without_bf16_instructions_is_said_once_at_the_start(monkeypatch, caplog):
-    """dtype bfloat16 on a CPU without AVX512-BF16/AMX-BF16 (an AVX2-only EPYC: ~1-2 GFLOP/s
-    against fp32's ~150) still runs, and the engine says why it is slow and what to use; a CPU
-    with them, auto and float32 say nothing. The flags are read from /proc/cpuinfo's text."""
-    from kvserve.workers import builder
-    from kvserve.workers.model_executor import cpu_kernels
+def test_bf16_is_said_to_crawl_only_where_the_kernels_cannot_run_it(monkeypatch, cpu_kernels):
+    """dtype bfloat16 on a CPU without AVX512-BF16/AMX-BF16 (an AVX2-only EPYC: torch's bf16
+    matmuls at ~1-2 GFLOP/s against fp32's ~150) runs kvserve's kernels at about fp32's speed
+    (fp32 multiply-adds), so nothing is said; where they cannot run (no AVX2, or
+    KVSERVE_CPU_ISA=none) the engine says why bf16 is slow and what to use. The flags are read
+    from /proc/cpuinfo's text."""
+    from kvserve.workers.model_executor import cpu_kernels as module
 
-    assert cpu_kernels.native_bf16("flags\t: fpu avx2 avx512f avx512_bf16\n")
-    assert cpu_kernels.native_bf16("flags\t: fpu avx2 amx_bf16 amx_tile\n")
-    assert cpu_kernels.native_bf16("Features\t: fp asimd bf16 i8mm\n")  # Arm
-    assert not cpu_kernels.native_bf16("flags\t: fpu sse4_2 avx2 fma\n")
-    cpu = torch.device("cpu")
-    for flags, warned in (("fpu avx2 fma", True), ("fpu avx2 avx512_bf16", False)):
-        monkeypatch.setattr(cpu_kernels, "cpu_features", lambda f=flags: f"flags\t: {f}\n")
+    assert module.native_bf16("flags\t: fpu avx2 avx512f avx512_bf16\n")
+    assert module.native_bf16("flags\t: fpu avx2 amx_bf16 amx_tile\n")
+    assert module.native_bf16("Features\t: fp asimd bf16 i8mm\n")  # Arm
+    assert not module.native_bf16("flags\t: fpu sse4_2 avx2 fma\n")
+    no_bf16 = "model name\t: AMD EPYC\nflags\t: fpu avx2 fma\n"
+    try:
+        for isa in ("avx2", "avx512"):
+            cpu_kernels.set_linear_isa(isa)
+            for dtype in (torch.bfloat16, torch.float32):
+                assert module.fallback_note(cpu_kernels, dtype, no_bf16) is None
+        monkeypatch.setenv(module.ISA_ENV, "none")
+        cpu_kernels.set_linear_isa("none")
+        note = module.fallback_note(cpu_kernels, torch.bfloat16, no_bf16)
+        assert "KVSERVE_CPU_ISA=none" in note and "dtype float32 (or auto) is faster" in note
+        note = module.fallback_note(cpu_kernels, torch.float32, no_bf16)
+        assert "oneDNN" in note and "faster" not in note
+        with_bf16 = no_bf16.replace("fma", "fma avx512_bf16")
+        assert "faster" not in module.fallback_note(cpu_kernels, torch.bfloat16, with_bf16)
+        # no kernels at all (load_cpu_kernels said why): only bf16's speed is left to say
+        assert module.fallback_note(None, torch.float32, no_bf16) is None
+        assert "is faster" in module.fallback_note(None, torch.bfloat16, no_bf16)
+    finally:
+        cpu_kernels.set_linear_isa("")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_cpu_with_neither_isa_runs_torchs_ops_and_says_so_once(make_tiny_engine, cpu_kernels,
+                                                                 monkeypatch, caplog, dtype):
+    """KVSERVE_CPU_ISA=none runs what a CPU with neither AVX2 nor AVX-512 (Arm's) runs: no
+    kvserve projection, no one-call decode layer, no bf16 elementwise kernel, one warning at the
+    start; the tokens are the kernels' own (fp32: the greedy suite's exactness; bf16: the
+    same tokens on this tiny model). Negative control: without it the kernels run, unsaid."""
+    from kvserve.workers import builder
+    from kvserve.workers.model_executor.cpu_kernels import ISA_ENV
+
+    prompts = [list(range(3, 3 + n)) for n in (1, 18, 40)]
+    params = {"temperature": 0, "max_tokens": 12, "ignore_eos": True}
+    shape = {"head_dim": 64, "num_attention_heads": 4, "num_key_value_heads": 2}  # covered
+
+    def run():
         caplog.clear()
         with caplog.at_level("WARNING", logger=builder.__name__):
-            assert builder.resolve_dtype("bfloat16", cpu) == torch.bfloat16
-            assert builder.resolve_dtype("auto", cpu) == torch.float32
-            assert builder.resolve_dtype("float32", cpu) == torch.float32
-        said = [r.getMessage() for r in caplog.records]
-        assert (len(said) == 1 and "dtype float32 (or auto) is faster" in said[0]) is warned, said
+            engine = make_tiny_engine(dtype=dtype, checkpoint_kwargs=shape)
+        said = [r.getMessage() for r in caplog.records if r.name == builder.__name__]
+        out = engine.generate_all([{"prompt_token_ids": p, "params": params} for p in prompts])
+        return engine, [output_ids(stream) for stream in out.values()], said
+
+    kernel_engine, kernel_tokens, said = run()
+    down = kernel_engine.model.layers[0].mlp.down_proj
+    assert down.kernel is not None and kernel_engine.model.decode_kernels is cpu_kernels
+    assert said == []
+    monkeypatch.setenv(ISA_ENV, "none")
+    try:
+        engine, tokens, said = run()
+        assert cpu_kernels.linear_isa() == "" and not cpu_kernels.linear_available()
+        assert len(said) == 1 and "KVSERVE_CPU_ISA=none" in said[0], said
+        model = engine.model
+        assert model.layers[0].mlp.down_proj.kernel is None
+        assert model.layers[0].mlp.down_proj.use_onednn and model.decode_kernels is None
+        assert (model.norm.kernels is None) == (dtype == "bfloat16")  # fp32's need no ISA
+        assert tokens == kernel_tokens
+    finally:
+        cpu_kernels.set_linear_isa("")
+    with pytest.raises(ValueError, match="KVSERVE_CPU_ISA must be one of avx512, avx2, none"):
+        monkeypatch.setenv(ISA_ENV, "sse2")
+        make_tiny_engine(dtype=dtype, checkpoint_kwargs=shape)

@@ -25,17 +25,10 @@ from kvserve.workers.model_executor.model import Linear
 from kvserve.workers.model_executor.tiny import tiny_checkpoint
 
 
-@pytest.fixture(scope="module", params=["avx512", "avx2"])
-def kernels(cpu_kernels, request):
-    """The kernels with `linear` and `linear_codes` on one instruction set: each test runs on
-    both where the CPU has both (AVX-512 CPUs have AVX2), on AVX2 alone on an AVX2-only CPU."""
-    try:
-        cpu_kernels.set_linear_isa(request.param)
-    except RuntimeError:
-        pytest.skip(f"linear on {request.param}: not built, or not on this CPU")
-    assert cpu_kernels.linear_available() and cpu_kernels.linear_isa() == request.param
-    yield cpu_kernels
-    cpu_kernels.set_linear_isa("")  # the best this CPU has
+@pytest.fixture(scope="module")
+def kernels(isa_kernels):
+    """`linear` and `linear_codes` on one instruction set (conftest's `isa_kernels`)."""
+    return isa_kernels
 
 
 @pytest.fixture(scope="module")
@@ -49,9 +42,9 @@ def best_kernels(cpu_kernels):
 
 def test_avx2_and_avx512_give_the_same_bits(cpu_kernels):
     """The two instruction sets run every output's chain of fused multiply-adds in the same
-    order, lane by lane: linear and linear_codes give the same bits on either, at every row
-    count (each tile shape of both). Negative control: another summation order (F.linear)
-    does not."""
+    order, lane by lane: linear, linear_codes and linear_bf16 give the same bits on either, at
+    every row count (each tile shape of both). Negative control: another summation order
+    (F.linear) does not."""
     try:
         cpu_kernels.set_linear_isa("avx512")
     except RuntimeError:
@@ -60,17 +53,21 @@ def test_avx2_and_avx512_give_the_same_bits(cpu_kernels):
     w = q4_1(torch.randn(130, 1536, generator=gen))
     b = torch.randn(130, generator=gen)
     dense, codes = cpu_kernels.pack_linear_weight(w), cpu_kernels.pack_linear_weight_codes(w)
+    bf16 = cpu_kernels.pack_linear_weight_bf16(w)
     try:
-        for rows in (1, 2, 3, 4, 5, 8, 9, 33):
+        for rows in (1, 2, 3, 4, 5, 8, 9, 33, 70):
             x = torch.randn(rows, 1536, generator=gen)
             got = {}
             for isa in ("avx512", "avx2"):
                 cpu_kernels.set_linear_isa(isa)
                 got[isa] = (cpu_kernels.linear(x, dense, 130, b),
-                            cpu_kernels.linear_codes(x, codes, 130, b))
+                            cpu_kernels.linear_codes(x, codes, 130, b),
+                            cpu_kernels.linear_bf16(x.bfloat16(), bf16, 130, b).float())
             for a, c in zip(got["avx512"], got["avx2"], strict=True):
                 assert torch.equal(a.view(torch.int32), c.view(torch.int32)), rows
             assert not torch.equal(got["avx2"][0], F.linear(x, w, b)), rows
+            assert not torch.equal(got["avx2"][2], F.linear(x.bfloat16(), w.bfloat16(),
+                                                              b.bfloat16()).float()), rows
     finally:
         cpu_kernels.set_linear_isa("")
     with pytest.raises(RuntimeError, match="avx512, avx2"):
@@ -385,10 +382,11 @@ def test_the_step_bench_times_both_packings_of_the_models_weights(best_kernels, 
 
 
 @pytest.fixture(scope="module")
-def bf16_kernels(cpu_kernels):
-    if not linear_available_for(cpu_kernels, torch.bfloat16):
-        pytest.skip("linear_bf16 needs AVX-512 (the kernels were built without it)")
-    return cpu_kernels
+def bf16_kernels(isa_kernels):
+    """`linear_bf16` on one instruction set: AVX-512, or AVX2 with no bf16 instruction (the
+    same fp32 chains over 8-lane vectors)."""
+    assert linear_available_for(isa_kernels, torch.bfloat16)
+    return isa_kernels
 
 
 def _bf16_case(n: int, k: int, rows: int, seed: int):
@@ -504,6 +502,6 @@ def test_linear_available_for_names_the_dtypes_with_a_kernel(cpu_kernels):
     assert not linear_available_for(None, torch.float32)
     assert elementwise_available_for(cpu_kernels, torch.float32)
     assert (elementwise_available_for(cpu_kernels, torch.bfloat16)
-            == cpu_kernels.bf16_linear_available())  # the bf16 kernels need AVX-512 too
+            == cpu_kernels.bf16_linear_available())  # the bf16 kernels need AVX2 or AVX-512
     assert not elementwise_available_for(cpu_kernels, torch.float16)
     assert not elementwise_available_for(None, torch.float32)

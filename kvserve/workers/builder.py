@@ -32,9 +32,8 @@ from kvserve.workers.model_executor.attention import (
 )
 from kvserve.workers.model_executor.cpu_kernels import (
     CpuKernels,
-    cpu_summary,
+    fallback_note,
     load_cpu_kernels,
-    native_bf16,
 )
 from kvserve.workers.model_executor.cuda_graphs import graph_batch_sizes, graph_memory_bytes
 from kvserve.workers.model_executor.draft_proposer import DraftModelProposer
@@ -254,18 +253,13 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """`auto`: bf16 on CUDA, fp32 on a CPU. bf16 asked for on a CPU without bf16 instructions
-    runs, but ~100x slower than fp32: the engine says so once, at its start."""
+    """`auto`: bf16 on CUDA, fp32 on a CPU (bf16 on a CPU runs kvserve's kernels at about
+    fp32's speed, or, where they cannot run, says so at the start: `cpu_kernels_for`)."""
     if name not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {name!r}")
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    dtype = getattr(torch, name)
-    if dtype == torch.bfloat16 and device.type == "cpu" and not native_bf16():
-        log.warning("kvserve: dtype bfloat16 on %s, which has no bf16 instructions (AVX512-BF16, "
-                    "AMX-BF16): torch multiplies bf16 in a scalar fallback, ~100x slower than "
-                    "fp32 here; dtype float32 (or auto) is faster", cpu_summary())
-    return dtype
+    return getattr(torch, name)
 
 
 def resolve_block_size(block_size: int | None, backend: PagedAttention,
@@ -291,7 +285,10 @@ def cpu_kernels_for(device: torch.device, dtype: torch.dtype) -> CpuKernels | No
     fp16 runs torch's ops and oneDNN: CPUs have no fp16 arithmetic worth a kernel of its own."""
     if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         return None
-    return load_cpu_kernels()
+    kernels = load_cpu_kernels()
+    if note := fallback_note(kernels, dtype):  # once, at the engine's start
+        log.warning(note)
+    return kernels
 
 
 def build_model(

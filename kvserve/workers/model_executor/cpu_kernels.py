@@ -4,13 +4,14 @@ prepare`
 
 - `linear` (`pack_linear_weight`): every projection, batch-invariant, weights in 48-output
   panels, on AVX-512 or AVX2 + FMA, chosen at run time with the same bits on either
-  (`linear_isa()` says which; `set_linear_isa` forces one, for tests; with neither oneDNN runs
-  them).
+  (`linear_isa()` says which; `set_linear_isa` or KVSERVE_CPU_ISA forces one, `none` included;
+  with neither oneDNN runs them, and the engine says so at its start).
 - `linear_codes` (`pack_linear_weight_codes`): `linear`'s output bit for bit from a GGUF
   checkpoint's block codes (Q4_1: 0.75 bytes a weight, Q8_0: 1.125) instead of fp32 panels, kept
   only where every weight decodes back exactly; batch-1 decode reads a fifth of the bytes.
 - `linear_bf16` (`pack_linear_weight_bf16`): the same for bf16 weights and activations, fp32
-  multiply-adds, bf16 out (`bf16_linear_available()`; `linear_available_for` asks per dtype).
+  multiply-adds, bf16 out (`bf16_linear_available()`; `linear_available_for` asks per dtype),
+  on the same two instruction sets: AVX2 has no bf16 instruction, and needs none.
 - `decode_layer`: a whole decoder layer of a decode-only step in one call, over the kernels here.
 - `paged_decode`: decode attention read in place through the block table (the `cpu` attention
   backend, `kvserve/workers/model_executor/attention/cpu_backend.py`), fp32 or bf16 (computed in
@@ -18,7 +19,7 @@ prepare`
 - `rms_norm`, `silu_and_mul`, `rotary_`: the decoder layer's elementwise work, one pass each
   instead of 2-6 torch ops. In a decode step of 32 sequences those small ops, each on a few
   thousand floats with cold caches after a matmul, cost ~25 % of the step on this CPU. In bf16
-  (AVX-512 builds) they round where transformers' bf16 ops round, and equal them bit for bit.
+  (AVX-512 or AVX2) they round where transformers' bf16 ops round, and equal them bit for bit.
 - `apply_token_bitmask_`: structured outputs' grammar mask on fp32 logits, one vectorized pass
   per row (`kvserve/workers/structured_output.py`; any x86-64 or Arm build).
 
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import platform
 import sys
 import time
@@ -67,6 +69,10 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
 # wait on it for ever; a build takes well under a minute, so a lock this old is stale
 STALE_LOCK_S = 600
 LIBRARY = "kvserve_cpu_kernels"  # torch.utils.cpp_extension's extension name
+# the kernels' instruction set, forced (avx512, avx2, none), as ATEN_CPU_CAPABILITY forces
+# torch's: to run what an AVX2-only CPU (or one with neither, Arm's) runs, on a bigger one
+ISA_ENV = "KVSERVE_CPU_ISA"
+ISAS = ("avx512", "avx2", "none")
 
 
 def kernels_root() -> Path:
@@ -103,22 +109,65 @@ def build_cpu_kernels(build_root: Path | None = None) -> CpuKernels:
              build_directory=str(build_dir),
              extra_cflags=[*CFLAGS, f"-DKVSERVE_KERNELS_H={header}"],
              extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
-    return torch.ops.kvserve
+    kernels = torch.ops.kvserve
+    force_isa(kernels, os.environ.get(ISA_ENV, ""))
+    return kernels
+
+
+def force_isa(kernels: CpuKernels, isa: str) -> None:
+    """Run the kernels on `isa` (one of ISAS; "" for the best this CPU has). A name not in
+    ISAS, or one this CPU lacks, is refused with the variable's name."""
+    if isa and isa not in ISAS:
+        raise ValueError(f"{ISA_ENV} must be one of {', '.join(ISAS)}, not {isa!r}")
+    try:
+        kernels.set_linear_isa(isa)
+    except RuntimeError as exc:
+        raise ValueError(f"{ISA_ENV}={isa}: not on this CPU ({cpu_summary()})") from exc
 
 
 def load_cpu_kernels(build_root: Path | None = None) -> CpuKernels | None:
     """Build (or reuse) the kernels; None, with a warning, where they cannot be built."""
     try:
         return build_cpu_kernels(build_root)
+    except ValueError:  # KVSERVE_CPU_ISA names what this CPU cannot run: the user's to fix
+        raise
     except Exception as exc:  # no compiler, no ninja, a read-only cache: torch ops still work
         log.warning("CPU kernels unavailable, running torch ops instead: %s", exc)
         return None
 
 
+def kernels_isa(kernels: CpuKernels | None) -> str:
+    """The instruction set the kernels' projections run ("avx512", "avx2"), or "none": torch's
+    ops in their place (no kernels, or a CPU with neither)."""
+    return (kernels.linear_isa() or "none") if kernels is not None else "none"
+
+
+def fallback_note(kernels: CpuKernels | None, dtype: torch.dtype,
+                  features: str | None = None) -> str | None:
+    """What an engine on this CPU says once at its start where the kernels' projections cannot
+    run `dtype` (a CPU with neither AVX2 + FMA nor AVX-512, such as Arm's, KVSERVE_CPU_ISA=none,
+    or no kernels at all): what runs instead, and for bf16 on a CPU without bf16 instructions
+    (`native_bf16`) that torch's bf16 matmuls crawl there. None where the kernels run `dtype`;
+    `features`: `cpu_features()`'s text, for tests."""
+    if kernels is not None and linear_available_for(kernels, dtype):
+        return None
+    text = cpu_features() if features is None else features
+    notes = []
+    if kernels is not None:  # (no kernels: `load_cpu_kernels` said why)
+        why = (f"{ISA_ENV}=none" if os.environ.get(ISA_ENV) == "none"
+               else f"{cpu_summary(text)} has neither AVX2 + FMA nor AVX-512")
+        notes.append(f"kvserve: {why}: the projections run oneDNN's matmuls (not "
+                     "batch-invariant), and bf16's norms and activations torch's ops")
+    if dtype == torch.bfloat16 and not native_bf16(text):
+        notes.append(f"kvserve: dtype bfloat16 on {cpu_summary(text)}, which has no bf16 "
+                     "instructions (AVX512-BF16, AMX-BF16): torch multiplies bf16 in a scalar "
+                     "fallback, ~100x slower than fp32 here; dtype float32 (or auto) is faster")
+    return "; ".join(notes) or None
+
+
 def linear_available_for(kernels: CpuKernels | None, dtype: torch.dtype) -> bool:
     """Whether `kernels` has a batch-invariant projection for weights and activations of `dtype`:
-    fp32 `linear` (AVX2 + FMA or AVX-512) or bf16 `linear_bf16` (AVX-512); other dtypes have
-    none."""
+    fp32 `linear` or bf16 `linear_bf16` (AVX2 + FMA or AVX-512); other dtypes have none."""
     if kernels is None:
         return False
     if dtype == torch.float32:
@@ -130,7 +179,7 @@ def linear_available_for(kernels: CpuKernels | None, dtype: torch.dtype) -> bool
 
 def elementwise_available_for(kernels: CpuKernels | None, dtype: torch.dtype) -> bool:
     """Whether `kernels` runs `rms_norm`, `rotary_` and `silu_and_mul` (so `decode_layer`'s
-    elementwise work) in `dtype`: fp32 always, bf16 in AVX-512 builds (those with `linear_bf16`)."""
+    elementwise work) in `dtype`: fp32 always, bf16 where `linear_bf16` runs (AVX2 or AVX-512)."""
     if kernels is None:
         return False
     return dtype == torch.float32 or (dtype == torch.bfloat16
@@ -171,9 +220,10 @@ def _flags(features: str) -> set[str]:
             for word in line.split(":", 1)[-1].split()}
 
 
-def cpu_summary() -> str:
-    """The CPU's model and the flags that decide its matmul rates."""
-    text = cpu_features()
+def cpu_summary(features: str | None = None) -> str:
+    """The CPU's model and the flags that decide its matmul rates (from `cpu_features()`, or
+    `features`)."""
+    text = cpu_features() if features is None else features
     model = next((ln.split(":", 1)[1].strip() for ln in text.splitlines()
                   if ln.startswith("model name")), "unknown CPU")
     flags = _flags(text)

@@ -475,7 +475,7 @@ class CausalLM(nn.Module):
                 module.pack_for_onednn()
 
     def use_cpu_kernels(self, kernels: CpuKernels, weight_codes: bool = True) -> None:
-        """CPU only, fp32 and bf16 (bf16 needs an AVX-512 build): norms, RoPE, the MLP
+        """CPU only, fp32 and bf16 (bf16 needs AVX2 or AVX-512): norms, RoPE, the MLP
         activation and (with AVX2 or AVX-512) the projections in kvserve's C++ kernels; where
         the `cpu` attention backend covers the shapes, decode-only steps run a layer per call.
         bf16's elementwise kernels round where transformers' bf16 ops do (bit-identical); its

@@ -7,7 +7,7 @@
 #include <cstdint>
 #include <cstring>
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -48,5 +48,31 @@ inline __m256i narrow16(__m512 v) {
 }
 
 #endif  // __AVX512F__
+
+#ifdef __AVX2__
+
+// bf16 [8] at p -> fp32 [8]
+inline __m256 widen8(const uint16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// fp32 [8] -> bf16 [8], as narrow16
+inline __m128i narrow8(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+  // NaN: magnitude above infinity's, as signed int32 (the sign bit cleared)
+  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff)),
+                                         _mm256_set1_epi32(0x7f800000));
+  const __m256i high = _mm256_srli_epi32(
+      _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7fc00000), nan), 16);
+  // 32 -> 16 bits: every value is below 2^16, so the saturating pack keeps it; the pack works
+  // within 128-bit halves, and the permute puts the two halves' results side by side
+  return _mm256_castsi256_si128(
+      _mm256_permute4x64_epi64(_mm256_packus_epi32(high, high), 0xD8));
+}
+
+#endif  // __AVX2__
 
 }  // namespace kvserve_bf16

@@ -18,8 +18,8 @@ TORCH_LIBRARY(kvserve, m) {
   m.def("rotary_", &rotary_);
   // whether `linear` was built (needs AVX2 + FMA, or AVX-512)
   m.def("linear_available", &linear_available);
-  // which instruction set linear and linear_codes run ("avx512", "avx2", ""), and forcing one
-  // where both are built (tests)
+  // which instruction set the projections and bf16 elementwise ops run ("avx512", "avx2", "":
+  // neither), and forcing one ("none" too) where it is built (tests, KVSERVE_CPU_ISA)
   m.def("linear_isa", &linear_isa);
   m.def("set_linear_isa", &set_linear_isa);
   // W [N, K] -> panels [ceil(N/48), K, 48]
@@ -33,7 +33,7 @@ TORCH_LIBRARY(kvserve, m) {
   m.def("pack_linear_weight_codes", &pack_linear_weight_codes);
   // x [rows, K], block codes, N, bias -> linear(x, pack_linear_weight(W), N, bias), bit for bit
   m.def("linear_codes", &linear_codes);
-  // whether `linear_bf16` was built (needs AVX-512)
+  // whether `linear_bf16` runs (AVX2 + FMA, or AVX-512)
   m.def("bf16_linear_available", &bf16_linear_available);
   // W [N, K] -> bf16 panels [ceil(N/48), ceil(K/2), 48, 2] (k pairs per output lane)
   m.def("pack_linear_weight_bf16", &pack_linear_weight_bf16);

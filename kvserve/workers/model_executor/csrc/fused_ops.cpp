@@ -1,7 +1,7 @@
 // Elementwise CPU ops fused into one pass each, for the decoder layer on fp32 and bf16 CPUs. Each
 // one replaces 2-6 torch ops (and their launches) with one; see kvserve/workers/model_executor/cpu_kernels.py.
 //
-// bf16 (AVX-512 builds): values are widened to fp32 in registers and rounded back to bf16 (round to
+// bf16 (AVX-512 or AVX2 builds): values are widened to fp32 in registers and rounded back to bf16 (round to
 // nearest even, torch's `.to(torch.bfloat16)`) exactly where transformers' bf16 code rounds: every
 // torch op on bf16 tensors computes in fp32 and rounds its result once. So these give torch's
 // numbers bit for bit on this CPU (tests/test_cpu_backend.py checks every finite bf16 input of
@@ -9,8 +9,12 @@
 // - RMSNorm's sum of squares is torch's own sum of `x.float().pow(2)`: aten's cascade_sum
 //   (SumKernel.cpp) over 8-float vectors, since torch runs its AVX2 reduction kernels on AVX-512
 //   CPUs too (REGISTER_DISPATCH leaves AVX-512 out); then / hidden, + eps, 1 / sqrt, in that order.
-// - SiLU's exp is the one torch's bf16 SiLU calls on AVX-512 CPUs, Sleef's 1-ulp expf over 16
-//   floats (libtorch_cpu exports it), on the elements torch vectorizes; std::exp on the rest.
+// - SiLU's exp is the one torch's bf16 SiLU calls, Sleef's 1-ulp expf over 16 floats on AVX-512
+//   CPUs, over 8 on AVX2 ones (libtorch_cpu exports both; they agree on every bf16 input), on the
+//   elements torch vectorizes (whole groups of 32 or 16, by torch's own CPU capability);
+//   std::exp on the rest.
+// The 16- and 8-lane versions are one template (`Wide`, `Narrow`), chosen at run time with
+// `linear`'s instruction set (`linear_isa`).
 // - -ffast-math (see kvserve/workers/model_executor/cpu_kernels.py) would fuse a multiply into the next add, reorder the
 //   sums, and turn a division into a reciprocal estimate (vrcp14ps, 1 ulp off at times): `opaque`
 //   hides a value from the optimizer and `divide` is an explicit vdivps. The fp32 kernels keep
@@ -20,16 +24,23 @@
 #include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
 
+#include <ATen/Version.h>
+
 #include "bf16.h"
+#include "linear_tile.h"
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 
 #ifdef __AVX512F__
-#include <immintrin.h>
 extern "C" __m512 Sleef_expf16_u10(__m512);  // torch's Vectorized<float>::exp (AVX-512 kernels)
 #endif
+#ifdef KVSERVE_LINEAR_AVX2
+extern "C" __m256 Sleef_expf8_u10(__m256);  // the same on AVX2 CPUs
+#endif
+
+using linear_tile::Isa;
 
 namespace {
 
@@ -41,7 +52,7 @@ void check_rows(const at::Tensor& x, const char* name) {
               name, ": fp32 or bf16 rows with a dense last dim");
 }
 
-#ifdef __AVX512F__
+#ifdef KVSERVE_LINEAR_AVX2  // AVX-512 builds have AVX2 too
 
 // the value, unknown to the optimizer: no fusing or reordering across it
 template <typename T>
@@ -52,8 +63,9 @@ inline T opaque(T v) {
 
 // a / b correctly rounded: under -ffast-math GCC turns a vector division into a reciprocal
 // estimate and a Newton step (vrcp14ps), which is 1 ulp off at times
-inline __m512 divide(__m512 a, __m512 b) {
-  __m512 q;
+template <typename V>
+inline V divide(V a, V b) {
+  V q;
   asm("vdivps %2, %1, %0" : "=v"(q) : "v"(a), "v"(b));
   return q;
 }
@@ -64,16 +76,43 @@ using kvserve_bf16::widen;
 // bf16 rounded through fp32: the value a torch bf16 op leaves, as fp32
 inline float round_bf16(float f) { return widen(narrow(f)); }
 
-using kvserve_bf16::narrow16;
-using kvserve_bf16::widen16;
+#ifdef __AVX512F__
+struct Wide {  // 16 lanes
+  using V = __m512;
+  static constexpr int64_t kN = 16;
+  static V load(const uint16_t* p) { return kvserve_bf16::widen16(p); }
+  static void store(uint16_t* p, V v) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), kvserve_bf16::narrow16(v));
+  }
+  static V round(V v) {  // to bf16 and back
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(kvserve_bf16::narrow16(v)), 16));
+  }
+  static V set1(float v) { return _mm512_set1_ps(v); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V neg(V a) { return _mm512_xor_ps(a, _mm512_set1_ps(-0.f)); }
+  static V exp(V a) { return Sleef_expf16_u10(a); }
+};
+#endif
 
-inline void store16(uint16_t* p, __m256i v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v);
-}
-
-inline __m512 round16(__m512 v) {  // to bf16 and back
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(narrow16(v)), 16));
-}
+struct Narrow {  // 8 lanes
+  using V = __m256;
+  static constexpr int64_t kN = 8;
+  static V load(const uint16_t* p) { return kvserve_bf16::widen8(p); }
+  static void store(uint16_t* p, V v) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), kvserve_bf16::narrow8(v));
+  }
+  static V round(V v) {
+    return _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(kvserve_bf16::narrow8(v)), 16));
+  }
+  static V set1(float v) { return _mm256_set1_ps(v); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static V neg(V a) { return _mm256_xor_ps(a, _mm256_set1_ps(-0.f)); }
+  static V exp(V a) { return Sleef_expf8_u10(a); }
+};
 
 constexpr int kLanes = 8;  // torch's Vectorized<float> in its AVX2 sum kernel
 using Lanes = __m256;
@@ -132,6 +171,7 @@ float torch_sum_of_squares(const uint16_t* x, int64_t n) {
   return total;
 }
 
+template <typename W>
 void rms_norm_bf16(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor& out) {
   const int64_t rows = x.size(0), hidden = x.size(1), stride = x.stride(0);
   const auto* in = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
@@ -145,11 +185,11 @@ void rms_norm_bf16(const at::Tensor& x, const at::Tensor& weight, double eps, at
       // torch: x * rsqrt(mean(x^2) + eps), mean = sum / hidden, rsqrt = 1 / sqrt
       const float mean = opaque(torch_sum_of_squares(xr, hidden) / static_cast<float>(hidden));
       const float inv = opaque(1.f / opaque(std::sqrt(opaque(mean + e))));
-      const __m512 vinv = _mm512_set1_ps(inv);
+      const typename W::V vinv = W::set1(inv);
       int64_t i = 0;
-      for (; i + 16 <= hidden; i += 16) {  // bf16(w * bf16(x * inv))
-        const __m512 y = round16(_mm512_mul_ps(widen16(xr + i), vinv));
-        store16(orow + i, narrow16(_mm512_mul_ps(widen16(w + i), y)));
+      for (; i + W::kN <= hidden; i += W::kN) {  // bf16(w * bf16(x * inv))
+        const typename W::V y = W::round(W::mul(W::load(xr + i), vinv));
+        W::store(orow + i, W::mul(W::load(w + i), y));
       }
       for (; i < hidden; ++i)
         orow[i] = narrow(widen(w[i]) * round_bf16(opaque(widen(xr[i]) * inv)));
@@ -157,23 +197,30 @@ void rms_norm_bf16(const at::Tensor& x, const at::Tensor& weight, double eps, at
   });
 }
 
+// the elements of a row torch's bf16 SiLU runs in vectors: whole Vectorized<BFloat16>s, 32 on
+// its AVX-512 kernels and 16 on its AVX2 ones (ATEN_CPU_CAPABILITY can choose either)
+int64_t torch_vectorized(int64_t n) {
+  static const int64_t group = at::get_cpu_capability() == "AVX512" ? 32 : 16;
+  return n / group * group;
+}
+
+template <typename W>
 void silu_and_mul_bf16(const at::Tensor& gate_up, at::Tensor& out) {
   const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2, stride = gate_up.stride(0);
   const auto* in = reinterpret_cast<const uint16_t*>(gate_up.data_ptr<at::BFloat16>());
   auto* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  // torch's bf16 SiLU runs Sleef on whole 32-element groups of a row, std::exp on the rest
-  const int64_t vectorized = inter / 32 * 32;
+  // torch's bf16 SiLU runs Sleef on whole vectors of a row, std::exp on the rest
+  const int64_t vectorized = torch_vectorized(inter);
   at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const uint16_t* g = in + r * stride;
       const uint16_t* u = g + inter;
       uint16_t* orow = o + r * inter;
-      for (int64_t i = 0; i < vectorized; i += 16) {  // bf16(bf16(g / (1 + exp(-g))) * u)
-        const __m512 x = widen16(g + i);
-        const __m512 neg = _mm512_xor_ps(x, _mm512_set1_ps(-0.f));
-        const __m512 e = Sleef_expf16_u10(neg);
-        const __m512 s = divide(x, opaque(_mm512_add_ps(_mm512_set1_ps(1.f), opaque(e))));
-        store16(orow + i, narrow16(_mm512_mul_ps(round16(s), widen16(u + i))));
+      for (int64_t i = 0; i < vectorized; i += W::kN) {  // bf16(bf16(g / (1 + exp(-g))) * u)
+        const typename W::V x = W::load(g + i);
+        const typename W::V e = W::exp(W::neg(x));
+        const typename W::V s = divide(x, opaque(W::add(W::set1(1.f), opaque(e))));
+        W::store(orow + i, W::mul(W::round(s), W::load(u + i)));
       }
       for (int64_t i = vectorized; i < inter; ++i) {
         const float x = widen(g[i]);
@@ -184,6 +231,7 @@ void silu_and_mul_bf16(const at::Tensor& gate_up, at::Tensor& out) {
   });
 }
 
+template <typename W>
 void rotary_bf16(at::Tensor& x, int64_t heads, const at::Tensor& cos, const at::Tensor& sin) {
   const int64_t tokens = x.size(0), D = x.size(2), half = D / 2, stride = x.stride(0);
   auto* base = reinterpret_cast<uint16_t*>(x.data_ptr<at::BFloat16>());
@@ -197,16 +245,14 @@ void rotary_bf16(at::Tensor& x, int64_t heads, const at::Tensor& cos, const at::
         uint16_t* v = base + t * stride + h * D;
         // torch: bf16(bf16(x * cos) + bf16(rotate_half(x) * sin)), rotate_half = (-x2, x1)
         int64_t i = 0;
-        for (; i + 16 <= half; i += 16) {
-          const __m512 x1 = widen16(v + i), x2 = widen16(v + i + half);
-          const __m512 a = _mm512_add_ps(round16(_mm512_mul_ps(x1, widen16(ct + i))),
-                                         round16(_mm512_mul_ps(
-                                             _mm512_xor_ps(x2, _mm512_set1_ps(-0.f)),
-                                             widen16(st + i))));
-          const __m512 b = _mm512_add_ps(round16(_mm512_mul_ps(x2, widen16(ct + i + half))),
-                                         round16(_mm512_mul_ps(x1, widen16(st + i + half))));
-          store16(v + i, narrow16(a));
-          store16(v + i + half, narrow16(b));
+        for (; i + W::kN <= half; i += W::kN) {
+          const typename W::V x1 = W::load(v + i), x2 = W::load(v + i + half);
+          const typename W::V a = W::add(W::round(W::mul(x1, W::load(ct + i))),
+                                         W::round(W::mul(W::neg(x2), W::load(st + i))));
+          const typename W::V b = W::add(W::round(W::mul(x2, W::load(ct + i + half))),
+                                         W::round(W::mul(x1, W::load(st + i + half))));
+          W::store(v + i, a);
+          W::store(v + i + half, b);
         }
         for (; i < half; ++i) {
           const float x1 = widen(v[i]), x2 = widen(v[i + half]);
@@ -219,11 +265,19 @@ void rotary_bf16(at::Tensor& x, int64_t heads, const at::Tensor& cos, const at::
   });
 }
 
-#endif  // __AVX512F__
+#endif  // KVSERVE_LINEAR_AVX2
 
-void need_avx512_for_bf16(const char* name) {
-#ifndef __AVX512F__
-  TORCH_CHECK(false, name, ": bf16 needs an AVX-512 build");
+// Runs f(W{}) with W the vector of the kernels' instruction set (`linear_isa`), or refuses bf16
+// where there is none
+template <typename F>
+void with_bf16_lanes(const char* name, F&& f) {
+  const Isa isa = linear_tile::linear_isa();
+  TORCH_CHECK(isa != Isa::kNone, name, ": bf16 needs an AVX2 or AVX-512 build");
+#ifdef __AVX512F__
+  if (isa == Isa::kAvx512) return f(Wide{});
+#endif
+#ifdef KVSERVE_LINEAR_AVX2
+  f(Narrow{});
 #endif
 }
 
@@ -239,10 +293,8 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const int64_t rows = x.size(0), hidden = x.size(1), stride = x.stride(0);
   auto out = at::empty({rows, hidden}, x.options());
   if (x.scalar_type() == at::kBFloat16) {
-    need_avx512_for_bf16("rms_norm");
-#ifdef __AVX512F__
-    rms_norm_bf16(x, weight, eps, out);
-#endif
+    with_bf16_lanes("rms_norm",
+                    [&](auto w) { rms_norm_bf16<decltype(w)>(x, weight, eps, out); });
     return out;
   }
   const float* in = x.data_ptr<float>();
@@ -270,10 +322,8 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2, stride = gate_up.stride(0);
   auto out = at::empty({rows, inter}, gate_up.options());
   if (gate_up.scalar_type() == at::kBFloat16) {
-    need_avx512_for_bf16("silu_and_mul");
-#ifdef __AVX512F__
-    silu_and_mul_bf16(gate_up, out);
-#endif
+    with_bf16_lanes("silu_and_mul",
+                    [&](auto w) { silu_and_mul_bf16<decltype(w)>(gate_up, out); });
     return out;
   }
   const float* in = gate_up.data_ptr<float>();
@@ -302,10 +352,8 @@ void rotary_(at::Tensor& x, int64_t heads, const at::Tensor& cos, const at::Tens
               cos.size(1) == x.size(2) && sin.sizes() == cos.sizes(),
               "rotary_: cos, sin [tokens, D] of x's dtype");
   if (x.scalar_type() == at::kBFloat16) {
-    need_avx512_for_bf16("rotary_");
-#ifdef __AVX512F__
-    rotary_bf16(x, heads, cos, sin);
-#endif
+    with_bf16_lanes("rotary_",
+                    [&](auto w) { rotary_bf16<decltype(w)>(x, heads, cos, sin); });
     return;
   }
   const int64_t tokens = x.size(0), D = x.size(2), half = D / 2, stride = x.stride(0);

@@ -26,13 +26,16 @@ std::string linear_isa() {
   }
 }
 
-// Tests: run `isa` ("avx512", "avx2"; "" for the best this build and CPU have) where both are
-// built, so that a CPU with both tests both; refuses one not built or not on this CPU
+// Run `isa` ("avx512", "avx2", or "none": torch's ops, as on a CPU with neither) where it is
+// built and on this CPU, so that a CPU with both tests each; "" goes back to the best there is
 void set_linear_isa(const std::string& isa) {
-  const Isa wanted = isa == "avx512" ? Isa::kAvx512 : isa == "avx2" ? Isa::kAvx2 : Isa::kNone;
-  TORCH_CHECK(isa.empty() || wanted != Isa::kNone, "set_linear_isa: avx512, avx2 or \"\"");
-  TORCH_CHECK(linear_tile::built_with(wanted) && linear_tile::cpu_has(wanted), "set_linear_isa: ",
-              isa, " is not built or not on this CPU");
+  const std::optional<Isa> wanted = isa == "avx512" ? std::optional<Isa>(Isa::kAvx512)
+                                    : isa == "avx2" ? std::optional<Isa>(Isa::kAvx2)
+                                    : isa == "none" ? std::optional<Isa>(Isa::kNone)
+                                                    : std::nullopt;
+  TORCH_CHECK(isa.empty() || wanted, "set_linear_isa: avx512, avx2, none or \"\", not ", isa);
+  TORCH_CHECK(!wanted || (linear_tile::built_with(*wanted) && linear_tile::cpu_has(*wanted)),
+              "set_linear_isa: ", isa, " is not built or not on this CPU");
   linear_tile::forced_isa() = wanted;
 }
 

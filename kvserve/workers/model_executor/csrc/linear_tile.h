@@ -13,7 +13,11 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <cstring>
+#include <optional>
 #include <utility>
+
+#include "bf16.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #define KVSERVE_LINEAR_AVX2 1
@@ -37,12 +41,14 @@ inline const float* checked_inputs(const at::Tensor& x, const c10::optional<at::
 
 constexpr int64_t kNR = 48;  // outputs per panel: 3 AVX-512 vectors, 6 AVX2 ones
 
-// The instruction sets the kernels were built with, and the one `linear` and `linear_codes` run
-// (the best built, unless a test forced another: `set_linear_isa`)
+// The instruction sets the kernels were built with, and the one `linear`, `linear_codes`,
+// `linear_bf16` and the bf16 elementwise ops run: the best built and on this CPU, unless one was
+// forced (`set_linear_isa`: tests, and KVSERVE_CPU_ISA), kNone included, which is what a CPU with
+// neither (Arm, old x86) runs: torch's ops in their place
 enum class Isa { kNone = 0, kAvx2 = 1, kAvx512 = 2 };
 
-inline Isa& forced_isa() {
-  static Isa isa = Isa::kNone;  // kNone: the best this build and CPU have
+inline std::optional<Isa>& forced_isa() {
+  static std::optional<Isa> isa;  // empty: the best this build and CPU have
   return isa;
 }
 
@@ -64,7 +70,7 @@ inline bool built_with(Isa isa) {
 }
 
 inline Isa linear_isa() {
-  if (forced_isa() != Isa::kNone) return forced_isa();
+  if (forced_isa()) return *forced_isa();
   for (const Isa isa : {Isa::kAvx512, Isa::kAvx2})
     if (built_with(isa) && cpu_has(isa)) return isa;
   return Isa::kNone;
@@ -99,6 +105,19 @@ struct Avx512 {
     const V b = bias ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
     _mm512_mask_storeu_ps(out, mask, _mm512_add_ps(acc, b));
   }
+  // linear_bf16: a vector's worth of (k, k + 1) bf16 pairs (64 bytes), and each half as fp32
+  static VI load_pairs(const uint16_t* p) { return _mm512_load_si512(p); }
+  static V even(VI v) { return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)); }
+  static V odd(VI v) {
+    const VI high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+    return _mm512_castsi512_ps(_mm512_and_si512(v, high));
+  }
+  // out[:left] = bf16(acc + bias[:left])
+  static void store_bf16_plus(uint16_t* out, V acc, const float* bias, int64_t left) {
+    const __mmask16 mask = static_cast<__mmask16>((1u << left) - 1u);
+    const V b = bias ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
+    _mm256_mask_storeu_epi16(out, mask, kvserve_bf16::narrow16(_mm512_add_ps(acc, b)));
+  }
 };
 #endif
 
@@ -132,6 +151,25 @@ struct Avx2 {
     const __m256i mask = lanes_below(left);
     const V b = bias ? _mm256_maskload_ps(bias, mask) : _mm256_setzero_ps();
     _mm256_maskstore_ps(out, mask, _mm256_add_ps(acc, b));
+  }
+  static VI load_pairs(const uint16_t* p) {  // 32 bytes
+    return _mm256_load_si256(reinterpret_cast<const __m256i*>(p));
+  }
+  static V even(VI v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
+  static V odd(VI v) {
+    const VI high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+    return _mm256_castsi256_ps(_mm256_and_si256(v, high));
+  }
+  static void store_bf16_plus(uint16_t* out, V acc, const float* bias, int64_t left) {
+    const V b = bias ? _mm256_maskload_ps(bias, lanes_below(left)) : _mm256_setzero_ps();
+    const __m128i h = kvserve_bf16::narrow8(_mm256_add_ps(acc, b));
+    if (left == 8) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out), h);
+      return;
+    }
+    alignas(16) uint16_t all[8];  // no 16-bit masked store in AVX2
+    _mm_store_si128(reinterpret_cast<__m128i*>(all), h);
+    std::memcpy(out, all, 2 * left);
   }
 };
 #endif
