@@ -342,6 +342,63 @@ def test_bench_throughput_bf16_puts_fp32_and_the_matmul_share_beside_it():
     assert "cpu:" in report["summary"]
 
 
+@pytest.mark.slow  # loads the real model in a subprocess
+def test_bench_cpu_puts_llama_cpp_hf_and_the_weight_read_beside_kvserve(monkeypatch):
+    """`kvserve bench cpu` on the default model's GGUF, with the kernels forced to AVX2 (what
+    an AVX2-only CPU runs): batch-1 decode and prompt rates, 32-request throughput beside HF
+    generate_batch(), the bound of reading the block codes (and fp32's) once; llama.cpp on the
+    same file where llama-cpp-python is installed, else a note that says how to get it."""
+    import importlib.util
+
+    monkeypatch.setenv("KVSERVE_CPU_ISA", "avx2")
+    report = run_json("bench", "cpu", "--requests", "3", "--prompt-len", "16", "--output-len",
+                      "4", "--decode-tokens", "4", "--kv-cache-memory", "64MiB", "--repeats",
+                      "2", "--json")
+    c = report["config"]
+    assert c["kvserve_isa"] == "avx2" and c["gguf"] == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert c["threads"] >= 1 and c["weight_codes"] is True
+    for key in ("kvserve_decode_ms_per_token", "kvserve_prompt_tok_s", "kvserve_tok_s",
+                "hf_generate_batch_tok_s"):
+        assert len(report["runs"][key]) == 2 and report[key] > 0, key
+    assert report["kvserve_decode_ms_per_token"] == min(report["runs"]
+                                                        ["kvserve_decode_ms_per_token"])
+    assert report["kvserve_tok_s"] == max(report["runs"]["kvserve_tok_s"])
+    # SmolLM2's decode step: 115 MB of block codes against 538 MB of fp32 weights
+    assert 110e6 < report["weight_bytes_per_step"] < 120e6
+    assert 530e6 < report["fp32_weight_bytes_per_step"] < 545e6
+    assert report["fp32_read_ms"] / report["codes_read_ms"] == pytest.approx(
+        report["fp32_weight_bytes_per_step"] / report["weight_bytes_per_step"])
+    assert report["decode_vs_codes_read"] == pytest.approx(
+        report["kvserve_decode_ms_per_token"] / report["codes_read_ms"])
+    assert report["speedup_vs_hf_generate_batch"] == pytest.approx(
+        report["kvserve_tok_s"] / report["hf_generate_batch_tok_s"])
+    if importlib.util.find_spec("llama_cpp") is None:
+        assert "pip install 'kvserve[bench]'" in c["llama_cpp_skipped"]
+        assert "llama.cpp    skipped: llama-cpp-python is not installed" in report["summary"]
+    else:
+        assert c["llama_cpp_skipped"] is None and c["llama_cpp"]["threads"] == c["threads"]
+        assert report["llama_cpp_decode_ms_per_token"] > 0
+        assert report["decode_speed_vs_llama_cpp"] == pytest.approx(
+            report["llama_cpp_decode_ms_per_token"] / report["kvserve_decode_ms_per_token"])
+        assert report["throughput_vs_llama_cpp_batch1"] == pytest.approx(
+            report["kvserve_tok_s"] * report["llama_cpp_decode_ms_per_token"] / 1000)
+    assert "reading the block codes once" in report["summary"]
+
+
+def test_gguf_file_is_what_a_gguf_reader_is_given(tmp_path):
+    from kvserve.workers.model_executor import loader
+
+    assert loader.gguf_file(None).name == loader.SMOLLM2_GGUF
+    assert loader.gguf_file(loader.DEFAULT_MODEL) == loader.gguf_file(None)
+    (tmp_path / "b.gguf").write_bytes(b"")
+    (tmp_path / "a.gguf").write_bytes(b"")
+    assert loader.gguf_file(str(tmp_path)) == tmp_path / "a.gguf"
+    assert loader.gguf_file(str(tmp_path / "b.gguf")) == tmp_path / "b.gguf"
+    (tmp_path / "model.safetensors").write_bytes(b"")  # a converted directory reads safetensors
+    assert loader.gguf_file(str(tmp_path)) is None
+    assert loader.gguf_file("org/model") is None
+
+
 def test_up_flags_for_gpu_replicas_reach_the_app_config(monkeypatch):
     """`kvserve up --dtype ... --device ... --attention-backend ...` become AppConfig fields
     (a typo in an override key would be refused by AppConfig's extra="forbid")."""

@@ -1,5 +1,5 @@
-"""`kvserve bench throughput|prefix|serve|speculative|structured|sampling`: kvserve against peer
-baselines; `kvserve bench machine`: the machine's own rates, which those numbers depend on;
+"""`kvserve bench throughput|cpu|prefix|serve|speculative|structured|sampling`: kvserve against
+peer baselines; `kvserve bench machine`: the machine's own rates, which those numbers depend on;
 `kvserve bench gpu-compile`: every Triton kernel configuration compiled for GPUs, without one."""
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ def add_bench(sub) -> None:
                         "numbers)")
     add_engine_args(t)
     t.set_defaults(run=_run_bench_throughput)
+    _add_bench_cpu(bench)
     _add_bench_serve(bench)
     _add_bench_prefix(bench)
     _add_bench_speculative(bench)
@@ -347,6 +348,50 @@ def _run_bench_throughput(args: argparse.Namespace) -> int:
         output_len=args.output_len, hf_sequential_requests=args.hf_sequential_requests,
         skip_hf=args.skip_hf, repeats=args.repeats, progress=not args.json,
     )
+    print(json.dumps(report, indent=2) if args.json else report["summary"])
+    return 0
+
+
+def _add_bench_cpu(bench) -> None:
+    c = bench.add_parser(
+        "cpu",
+        help="kvserve on a CPU vs llama.cpp on the same GGUF file and threads, and HF",
+        description="In one process, with the same thread count: kvserve's batch-1 decode "
+                    "(ms/token) and prompt rate (tok/s of one --prompt-len prompt) beside "
+                    "llama.cpp's on the very same GGUF file (llama-cpp-python: pip install "
+                    "'kvserve[bench]', built from source; skipped with a note where it is "
+                    "missing or the model is not a GGUF), and kvserve's --requests x "
+                    "(--prompt-len + --output-len) output tok/s beside HF generate_batch() and "
+                    "llama.cpp's batch-1 rate. The physical bound: the time to read the block "
+                    "codes once at the memory bandwidth measured around the decode, and the "
+                    "fp32 weights' beside it. Every figure is its best of --repeats rounds.",
+    )
+    c.add_argument("--requests", type=int, default=32, help="requests (default 32)")
+    c.add_argument("--prompt-len", type=int, default=128,
+                   help="prompt tokens each (default 128)")
+    c.add_argument("--output-len", type=int, default=64,
+                   help="output tokens of each of --requests (default 64)")
+    c.add_argument("--decode-tokens", type=int, default=64,
+                   help="tokens each batch-1 decode is timed over (default 64)")
+    c.add_argument("--repeats", type=int, default=2, help="rounds (default 2)")
+    c.add_argument("--skip-hf", action="store_true", help="no HF generate_batch()")
+    c.add_argument("--skip-llama-cpp", action="store_true", help="no llama.cpp")
+    c.add_argument("--json", action="store_true",
+                   help="print one JSON object (kvserve_decode_ms_per_token, "
+                        "kvserve_prompt_tok_s, kvserve_tok_s, llama_cpp_decode_ms_per_token, "
+                        "llama_cpp_prompt_tok_s, hf_generate_batch_tok_s, codes_read_ms, "
+                        "fp32_read_ms, the ratios, config; runs: every round's numbers)")
+    add_engine_args(c)
+    c.set_defaults(run=_run_bench_cpu)
+
+
+def _run_bench_cpu(args: argparse.Namespace) -> int:
+    from kvserve.bench.cpu import run_cpu_bench
+
+    report = run_cpu_bench(
+        engine_config(args), requests=args.requests, prompt_len=args.prompt_len,
+        output_len=args.output_len, decode_tokens=args.decode_tokens, repeats=args.repeats,
+        skip_hf=args.skip_hf, skip_llama_cpp=args.skip_llama_cpp, progress=not args.json)
     print(json.dumps(report, indent=2) if args.json else report["summary"])
     return 0
 

@@ -33,6 +33,7 @@ from kvserve.workers.model_executor.attention import (
 from kvserve.workers.model_executor.cpu_kernels import (
     CpuKernels,
     fallback_note,
+    kernels_isa,
     load_cpu_kernels,
 )
 from kvserve.workers.model_executor.cuda_graphs import graph_batch_sizes, graph_memory_bytes
@@ -71,6 +72,7 @@ class ModelInfo:
     num_host_blocks: int
     cuda_graph_sizes: tuple[int, ...] = ()  # decode batch sizes replayed from CUDA graphs
     tensor_parallel_size: int = 1  # ranks the model is split over (`kvserve.workers.parallel`)
+    cpu_isa: str = ""  # CPUs: what kvserve's kernels' projections run on (avx512, avx2, none)
 
 
 class Proposer(Protocol):
@@ -159,7 +161,8 @@ def build_engine_parts(config: EngineConfig, checkpoint: LoadedCheckpoint | None
         attention_backend=backend.name, block_size=block_size, num_blocks=num_blocks,
         num_host_blocks=num_host_blocks,
         cuda_graph_sizes=tuple(runner.graphs.sizes) if runner.graphs else (),
-        tensor_parallel_size=config.tensor_parallel_size)
+        tensor_parallel_size=config.tensor_parallel_size,
+        cpu_isa=kernels_isa(cpu_kernels) if device.type == "cpu" else "")
     proposer = make_proposer(config, ckpt, draft_checkpoint, model, runner, cpu_kernels, spec,
                              num_blocks, max_model_len)
     return EngineParts(ckpt, device, dtype, max_model_len, runner, block_manager,

