@@ -203,9 +203,7 @@ def test_prepare_reports_the_cache_the_engine_reads_and_why_kernels_cannot_build
     nothing; where the kernels' directory cannot be made, exit 1 with the reason, the model
     still ready; --no-kernels skips them. (The from-scratch conversion and build are what
     `make test` does on a fresh clone before the suite: a failure there fails CI.)"""
-    import torch
-
-    from kvserve.workers.model_executor.cpu_kernels import build_dir_name, cpu_features
+    from kvserve.workers.model_executor.cpu_kernels import kernel_build_dir
     from tests.test_cli_detached import new_user_env
 
     (tmp_path / "ready").mkdir()
@@ -217,8 +215,7 @@ def test_prepare_reports_the_cache_the_engine_reads_and_why_kernels_cannot_build
     assert Path(report["model"]["path"]).resolve() == model_dir.resolve()
     cache = Path(env["KVSERVE_CACHE_DIR"])
     kernels = report["kernels"]
-    assert kernels["build_dir"] == str(
-        cache / "kernels" / build_dir_name(torch.__version__, cpu_features()))
+    assert kernels["build_dir"] == str(kernel_build_dir(cache / "kernels"))
     assert kernels["available"] and not kernels["built"], kernels
 
     (tmp_path / "blocked").mkdir()
@@ -383,6 +380,16 @@ def test_bench_cpu_puts_llama_cpp_hf_and_the_weight_read_beside_kvserve(monkeypa
         assert report["throughput_vs_llama_cpp_batch1"] == pytest.approx(
             report["kvserve_tok_s"] * report["llama_cpp_decode_ms_per_token"] / 1000)
     assert "reading the block codes once" in report["summary"]
+    # the arithmetic bound: SmolLM2's 30 layers of 576 x (576 + 2 x 192) + 576 x 576 +
+    # 3 x 576 x 1536 multiply-adds a token, and its 49152 x 576 LM head on each sampled row
+    # (3 requests x (16 + 4 - 1) tokens through the layers, 3 x 4 sampled)
+    layers = 30 * (576 * 960 + 576 * 576 + 3 * 576 * 1536)
+    assert report["projection_tflop"] * 1e12 == pytest.approx(
+        2 * (layers * 3 * 19 + 49152 * 576 * 3 * 4))
+    assert report["arithmetic_bound_tok_s"] == pytest.approx(
+        3 * 4 / (report["projection_tflop"] * 1e3 / report["fp32_gemm_gflop_s"]))
+    assert report["throughput_vs_arithmetic_bound"] == pytest.approx(
+        report["kvserve_tok_s"] / report["arithmetic_bound_tok_s"])
 
 
 def test_gguf_file_is_what_a_gguf_reader_is_given(tmp_path):

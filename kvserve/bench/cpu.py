@@ -32,6 +32,7 @@ from kvserve.bench.baselines import (
     weights_read_seconds,
 )
 from kvserve.bench.common import make_prompts
+from kvserve.bench.machine import gemm_gflop_s
 from kvserve.bench.throughput import batch1_decode_ms, kvserve_throughput
 from kvserve.workers.config import EngineConfig
 from kvserve.workers.engine import LLMEngine
@@ -100,6 +101,15 @@ def fp32_weight_bytes(model: torch.nn.Module) -> int:
             total += 4 * module.out_features * (module.in_features + (module.bias is not None))
             in_linear.update(id(t) for t in module.parameters(recurse=False))
     return total + sum(4 * t.numel() for t in decode_step_weights(model) if id(t) not in in_linear)
+
+
+def projection_flops(model: torch.nn.Module, tokens: int, sampled: int) -> float:
+    """The multiply-adds (x2) of every projection over `tokens` tokens, the LM head's over the
+    `sampled` rows it computes (a prefill samples only its last token)."""
+    head = model.lm_head
+    per_token = sum(m.in_features * m.out_features for m in model.modules()
+                    if isinstance(m, Linear) and m is not head)
+    return 2.0 * (per_token * tokens + head.in_features * head.out_features * sampled)
 
 
 def run_cpu_bench(config: EngineConfig, requests: int = 32, prompt_len: int = 128,
@@ -180,6 +190,15 @@ def run_cpu_bench(config: EngineConfig, requests: int = 32, prompt_len: int = 12
                                                / report["llama_cpp_prompt_tok_s"])
         report["throughput_vs_llama_cpp_batch1"] = report["kvserve_tok_s"] / (
             1000 / llama_decode)
+    # the arithmetic bound at 32 requests: their projections' FLOPs at this machine's fp32 GEMM
+    # rate (oneDNN's, a square matmul), the best the rest of the step could leave them
+    gemm = gemm_gflop_s(torch.float32) * 1e9
+    flops = projection_flops(engine.model, requests * (prompt_len + output_len - 1),
+                             requests * output_len)
+    report.update({"fp32_gemm_gflop_s": gemm / 1e9, "projection_tflop": flops / 1e12,
+                   "arithmetic_bound_tok_s": requests * output_len / (flops / gemm)})
+    report["throughput_vs_arithmetic_bound"] = (report["kvserve_tok_s"]
+                                                / report["arithmetic_bound_tok_s"])
     report["runs"] = runs
     report["config"] = {
         "model": engine.info.name, "gguf": gguf.name if gguf else None,
@@ -237,7 +256,11 @@ def summarize(r: dict[str, Any]) -> str:
         f"    the model's own weights, a sum() each where they lie: {r['weights_read_ms']:.2f} ms"
         f" (decode {r['decode_vs_weights_read']:.2f}x)",
         f"  {c['requests']} requests x ({c['prompt_len']} + {c['output_len']}): output tok/s",
-        f"    kvserve               {r['kvserve_tok_s']:8.1f}",
+        f"    kvserve               {r['kvserve_tok_s']:8.1f}   "
+        f"{r['throughput_vs_arithmetic_bound']:.0%} of the arithmetic bound",
+        f"    arithmetic bound      {r['arithmetic_bound_tok_s']:8.1f}   (the projections' "
+        f"{r['projection_tflop']:.2f} TFLOP at the fp32 GEMM's {r['fp32_gemm_gflop_s']:.0f} "
+        "GFLOP/s)",
     ]
     if "hf_generate_batch_tok_s" in r:
         lines.append(f"    HF generate_batch()   {r['hf_generate_batch_tok_s']:8.1f}   kvserve "

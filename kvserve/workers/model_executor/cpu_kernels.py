@@ -64,7 +64,14 @@ HEADERS = [CSRC / name for name in ("kernels.h", "bf16.h", "linear_tile.h")]
 # -march=native: the build directory belongs to this machine (kvserve's cache directory).
 # -ffast-math: glibc's vector expf (libmvec) is declared only under it; the kernels see only
 # finite values, and reassociated sums are what vectorizing them means
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
+CFLAGS = ["-O3", "-fopenmp", "-ffast-math"]
+# the CPU the kernels are compiled for: this one (native), or another that this one can run,
+# to build and test on an AVX-512 machine what an AVX2-only CPU builds (znver2, haswell)
+MARCH_ENV = "KVSERVE_KERNELS_MARCH"
+
+
+def kernels_march() -> str:
+    return os.environ.get(MARCH_ENV) or "native"
 # torch's build lock is a file that a killed build leaves behind, and every later load would
 # wait on it for ever; a build takes well under a minute, so a lock this old is stale
 STALE_LOCK_S = 600
@@ -83,7 +90,9 @@ def kernels_root() -> Path:
 
 def kernel_build_dir(build_root: Path | None = None) -> Path:
     """This machine's build directory under `build_root` (default `kernels_root()`)."""
-    return (build_root or kernels_root()) / build_dir_name(torch.__version__, cpu_features())
+    march = kernels_march()
+    return (build_root or kernels_root()) / build_dir_name(
+        torch.__version__, cpu_features() + ("" if march == "native" else f"\nmarch {march}"))
 
 
 def kernel_library(build_root: Path | None = None) -> Path:
@@ -107,7 +116,8 @@ def build_cpu_kernels(build_root: Path | None = None) -> CpuKernels:
     if not hasattr(torch.ops.kvserve, "linear_available"):  # once per process
         load(name=LIBRARY, sources=[str(s) for s in SOURCES],
              build_directory=str(build_dir),
-             extra_cflags=[*CFLAGS, f"-DKVSERVE_KERNELS_H={header}"],
+             extra_cflags=[*CFLAGS, f"-march={kernels_march()}",
+                           f"-DKVSERVE_KERNELS_H={header}"],
              extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     kernels = torch.ops.kvserve
     force_isa(kernels, os.environ.get(ISA_ENV, ""))
