@@ -46,14 +46,17 @@ def test_reports_build_the_view_and_holders_follow_stores_and_removals(redis_han
 
 
 def test_a_replica_that_stops_reporting_vanishes_within_its_lease(redis_handle):
-    index = KVIndex(redis_handle.client, "dep-lease", lease_ttl_s=0.3)
+    # a 1 s lease: "dies" is gone from 1 s on, "alive" (renewed until 0.9 s) until 1.9 s; the
+    # check at ~1.2 s keeps 0.7 s of margin for a loaded machine's late wake-ups (a 0.3 s
+    # lease with 0.1 s of it failed once, in a suite run at half this VM's usual speed)
+    index = KVIndex(redis_handle.client, "dep-lease", lease_ttl_s=1.0)
     index.apply(report("alive", stored={"device": ["cc"]}))
     index.apply(report("dies", stored={"device": ["cc"]}, requests={"req": 1}))
-    deadline = time.monotonic() + 0.25
+    deadline = time.monotonic() + 0.9
     while time.monotonic() < deadline:  # "alive" keeps renewing its lease; "dies" does not
         index.apply(report("alive"))
         time.sleep(0.05)
-    time.sleep(0.2)
+    time.sleep(0.3)
     index.apply(report("alive"))
     assert index.live_replicas() == ["alive"]
     assert index.holders("cc") == {"alive": ["device"]}

@@ -416,10 +416,15 @@ def test_bf16_is_said_to_crawl_only_where_the_kernels_cannot_run_it(monkeypatch,
     from /proc/cpuinfo's text."""
     from kvserve.workers.model_executor import cpu_kernels as module
 
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
     assert module.native_bf16("flags\t: fpu avx2 avx512f avx512_bf16\n")
     assert module.native_bf16("flags\t: fpu avx2 amx_bf16 amx_tile\n")
     assert module.native_bf16("Features\t: fp asimd bf16 i8mm\n")  # Arm
     assert not module.native_bf16("flags\t: fpu sse4_2 avx2 fma\n")
+    for cap, native in (("AVX2", False), ("AVX512_CORE", False), ("AVX512_CORE_BF16", True)):
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)  # oneDNN capped below bf16, or not
+        assert module.native_bf16("flags\t: fpu avx2 avx512f avx512_bf16\n") is native, cap
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
     no_bf16 = "model name\t: AMD EPYC\nflags\t: fpu avx2 fma\n"
     try:
         for isa in ("avx2", "avx512"):
@@ -453,6 +458,7 @@ def test_a_cpu_with_neither_isa_runs_torchs_ops_and_says_so_once(make_tiny_engin
     same tokens on this tiny model). Negative control: without it the kernels run, unsaid."""
     from kvserve.workers import builder
     from kvserve.workers.model_executor.cpu_kernels import ISA_ENV
+    from kvserve.workers.model_executor.model import onednn_available
 
     prompts = [list(range(3, 3 + n)) for n in (1, 18, 40)]
     params = {"temperature": 0, "max_tokens": 12, "ignore_eos": True}
@@ -477,7 +483,8 @@ def test_a_cpu_with_neither_isa_runs_torchs_ops_and_says_so_once(make_tiny_engin
         assert len(said) == 1 and "KVSERVE_CPU_ISA=none" in said[0], said
         model = engine.model
         assert model.layers[0].mlp.down_proj.kernel is None
-        assert model.layers[0].mlp.down_proj.use_onednn and model.decode_kernels is None
+        assert model.decode_kernels is None  # oneDNN where it runs the dtype, else F.linear
+        assert model.layers[0].mlp.down_proj.use_onednn == onednn_available(getattr(torch, dtype))
         assert (model.norm.kernels is None) == (dtype == "bfloat16")  # fp32's need no ISA
         assert tokens == kernel_tokens
     finally:

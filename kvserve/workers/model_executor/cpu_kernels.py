@@ -216,10 +216,19 @@ def cpu_features() -> str:
     return "\n".join(sorted({ln for ln in lines if ln.split(":")[0].strip() in wanted}))
 
 
+# oneDNN's instruction sets without bf16 arithmetic: ONEDNN_MAX_CPU_ISA capped at one of them
+# leaves torch's bf16 matmuls the scalar fallback, whatever the CPU has
+ONEDNN_ISAS_WITHOUT_BF16 = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX512_CORE",
+                            "AVX512_CORE_VNNI"}
+
+
 def native_bf16(features: str | None = None) -> bool:
-    """The CPU multiplies bf16 in hardware (x86 AVX512-BF16 or AMX-BF16, Arm's BF16 extension),
-    from `cpu_features()` (or `features`). Without it torch's bf16 matmuls are a scalar
-    fallback: ~1-2 GFLOP/s against fp32's ~150 on an AVX2-only AMD EPYC."""
+    """torch multiplies bf16 in hardware here: the CPU has x86 AVX512-BF16 or AMX-BF16, or
+    Arm's BF16 extension (`cpu_features()`, or `features`), and oneDNN is not capped below them
+    (ONEDNN_MAX_CPU_ISA). Without it torch's bf16 matmuls are a scalar fallback: ~1-2 GFLOP/s
+    against fp32's ~150 on an AVX2-only AMD EPYC."""
+    if os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper() in ONEDNN_ISAS_WITHOUT_BF16:
+        return False
     flags = _flags(cpu_features() if features is None else features)
     return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
 
