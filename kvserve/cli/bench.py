@@ -35,11 +35,7 @@ def add_bench(sub) -> None:
                     "step the step plan's send time and latency to the other ranks and the "
                     "all-reduces' and the logits' gather's time and bytes.",
     )
-    t.add_argument("--requests", type=int, default=32, help="requests (default 32)")
-    t.add_argument("--prompt-len", type=int, default=128,
-                   help="prompt tokens each (default 128)")
-    t.add_argument("--output-len", type=int, default=128,
-                   help="output tokens each (default 128)")
+    _add_workload_args(t, output_len=128)
     t.add_argument("--hf-sequential-requests", type=int, default=4,
                    help="HF generate() is slow: time this many requests, report tok/s")
     t.add_argument("--skip-hf", action="store_true", help="only measure kvserve")
@@ -352,6 +348,16 @@ def _run_bench_throughput(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_workload_args(p: argparse.ArgumentParser, output_len: int) -> None:
+    """The requests a throughput benchmark submits at once: --requests x (--prompt-len +
+    --output-len) tokens."""
+    p.add_argument("--requests", type=int, default=32, help="requests (default 32)")
+    p.add_argument("--prompt-len", type=int, default=128,
+                   help="prompt tokens each (default 128)")
+    p.add_argument("--output-len", type=int, default=output_len,
+                   help=f"output tokens each (default {output_len})")
+
+
 def _add_bench_cpu(bench) -> None:
     c = bench.add_parser(
         "cpu",
@@ -366,11 +372,7 @@ def _add_bench_cpu(bench) -> None:
                     "codes once at the memory bandwidth measured around the decode, and the "
                     "fp32 weights' beside it. Every figure is its best of --repeats rounds.",
     )
-    c.add_argument("--requests", type=int, default=32, help="requests (default 32)")
-    c.add_argument("--prompt-len", type=int, default=128,
-                   help="prompt tokens each (default 128)")
-    c.add_argument("--output-len", type=int, default=64,
-                   help="output tokens of each of --requests (default 64)")
+    _add_workload_args(c, output_len=64)
     c.add_argument("--decode-tokens", type=int, default=64,
                    help="tokens each batch-1 decode is timed over (default 64)")
     c.add_argument("--repeats", type=int, default=2, help="rounds (default 2)")
