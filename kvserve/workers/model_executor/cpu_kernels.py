@@ -61,17 +61,13 @@ SOURCES = [CSRC / name for name in ("bindings.cpp", "paged_decode.cpp", "fused_o
                                     "linear_bf16.cpp", "decode_layer.cpp",
                                     "token_bitmask.cpp")]
 HEADERS = [CSRC / name for name in ("kernels.h", "bf16.h", "linear_tile.h")]
-# -march=native: the build directory belongs to this machine (kvserve's cache directory).
 # -ffast-math: glibc's vector expf (libmvec) is declared only under it; the kernels see only
 # finite values, and reassociated sums are what vectorizing them means
 CFLAGS = ["-O3", "-fopenmp", "-ffast-math"]
-# the CPU the kernels are compiled for: this one (native), or another that this one can run,
-# to build and test on an AVX-512 machine what an AVX2-only CPU builds (znver2, haswell)
+# -march: the CPU the kernels are compiled for, native by default (the build directory belongs
+# to this machine: kvserve's cache directory), or another that this one can run, to build and
+# test on an AVX-512 machine what an AVX2-only CPU builds (znver2, haswell)
 MARCH_ENV = "KVSERVE_KERNELS_MARCH"
-
-
-def kernels_march() -> str:
-    return os.environ.get(MARCH_ENV) or "native"
 # torch's build lock is a file that a killed build leaves behind, and every later load would
 # wait on it for ever; a build takes well under a minute, so a lock this old is stale
 STALE_LOCK_S = 600
@@ -86,6 +82,11 @@ def kernels_root() -> Path:
     """Where every caller builds and finds the kernels: kvserve's cache directory (one
     subdirectory per torch, Python and CPU, `build_dir_name`)."""
     return cache_root() / "kernels"
+
+
+def kernels_march() -> str:
+    """The -march the kernels are built with (KVSERVE_KERNELS_MARCH, else native)."""
+    return os.environ.get(MARCH_ENV) or "native"
 
 
 def kernel_build_dir(build_root: Path | None = None) -> Path:
@@ -166,8 +167,8 @@ def fallback_note(kernels: CpuKernels | None, dtype: torch.dtype,
     if kernels is not None:  # (no kernels: `load_cpu_kernels` said why)
         why = (f"{ISA_ENV}=none" if os.environ.get(ISA_ENV) == "none"
                else f"{cpu_summary(text)} has neither AVX2 + FMA nor AVX-512")
-        notes.append(f"kvserve: {why}: the projections run oneDNN's matmuls (not "
-                     "batch-invariant), and bf16's norms and activations torch's ops")
+        notes.append(f"kvserve: {why}: the projections run oneDNN's matmuls, and bf16's "
+                     "norms and activations torch's ops")
     if dtype == torch.bfloat16 and not native_bf16(text):
         notes.append(f"kvserve: dtype bfloat16 on {cpu_summary(text)}, which has no bf16 "
                      "instructions (AVX512-BF16, AMX-BF16): torch multiplies bf16 in a scalar "
